@@ -1,0 +1,61 @@
+# kvpush: push-mode KV-cache transfer for P/D disaggregated vLLM.
+PY      := .venv/bin/python
+STAMP   := .venv/.kvpush-stamp
+PROTO_SRC := proto/kvpush/v1/kvpush.proto
+export UCX_NET_DEVICES ?= lo
+export NIXL_LOG_LEVEL ?= WARN
+export VLLM_NO_USAGE_STATS ?= 1
+
+.PHONY: install lock proto proto-check test test-core lint bench bench-transfer bench-scheduler demo install-systemd clean
+
+# Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
+install:
+	@scripts/install.sh
+
+lock:
+	UV=.venv/bin/uv scripts/lock.sh
+
+# Generated code (messages, gRPC stubs, type stubs) is produced here only, and committed.
+proto: install
+	$(PY) -m grpc_tools.protoc -Iproto \
+	  --python_out=proto --grpc_python_out=proto \
+	  --mypy_out=proto --mypy_grpc_out=proto \
+	  --plugin=protoc-gen-mypy=.venv/bin/protoc-gen-mypy \
+	  --plugin=protoc-gen-mypy_grpc=.venv/bin/protoc-gen-mypy_grpc \
+	  $(PROTO_SRC)
+
+# Fails when the committed generated code differs from a fresh `make proto`.
+proto-check: install
+	@scripts/proto_check.sh
+
+lint: install
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
+
+test: install proto-check lint
+	$(PY) -m pytest -q -ra tests
+
+test-core: install
+	$(PY) -m pytest -q -ra -m "not vllm" tests
+
+bench-transfer: install
+	$(PY) -m benchmarks.transfer $(ARGS)
+
+bench-scheduler: install
+	$(PY) -m benchmarks.scheduler $(ARGS)
+
+bench: install
+	$(PY) -m benchmarks.serving $(if $(QUICK),--quick,) $(ARGS)
+
+demo: install
+	$(PY) -m scripts.demo $(ARGS)
+
+DESTDIR ?=
+PREFIX  ?= /opt/kvpush
+install-systemd:
+	install -d $(DESTDIR)/etc/systemd/system $(DESTDIR)/etc/kvpush
+	install -m 0644 deploy/systemd/*.service $(DESTDIR)/etc/systemd/system/
+	for f in deploy/systemd/env/*.env; do install -m 0640 $$f $(DESTDIR)/etc/kvpush/; done
+
+clean:
+	rm -rf .venv .pytest_cache
