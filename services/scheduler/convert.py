@@ -1,0 +1,142 @@
+"""Conversions between kvpush.v1 messages and the scheduler's plain types."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from google.protobuf import struct_pb2
+
+from kvpush.v1 import kvpush_pb2 as pb
+from services.common import transfer_params
+from services.scheduler.errors import InvalidArgument
+from services.scheduler.model import (
+    AssignmentRecord,
+    Event,
+    EventKind,
+    Instance,
+    InstanceSpec,
+    Load,
+    Outcome,
+    Role,
+)
+
+_ROLE_FROM_PB = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
+_ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
+_EVENT_TO_PB = {
+    EventKind.REGISTERED: pb.INSTANCE_EVENT_KIND_REGISTERED,
+    EventKind.DEAD: pb.INSTANCE_EVENT_KIND_DEAD,
+    EventKind.DRAINING: pb.INSTANCE_EVENT_KIND_DRAINING,
+    EventKind.DEREGISTERED: pb.INSTANCE_EVENT_KIND_DEREGISTERED,
+}
+_OUTCOME_FROM_PB = {
+    pb.OUTCOME_OK: Outcome.OK,
+    pb.OUTCOME_FAILED: Outcome.FAILED,
+    pb.OUTCOME_CANCELLED: Outcome.CANCELLED,
+}
+
+
+def spec_from_pb(info: pb.InstanceInfo) -> InstanceSpec:
+    role = _ROLE_FROM_PB.get(info.role)
+    if role is None:
+        raise InvalidArgument("instance.role must be ROLE_PREFILL or ROLE_DECODE")
+    return InstanceSpec(
+        engine_id=info.engine_id,
+        role=role,
+        incarnation=info.incarnation,
+        tp_size=info.tp_size,
+        agent_endpoints=tuple(info.agent_endpoints),
+        total_kv_blocks=info.total_kv_blocks,
+        tokens_per_block=info.tokens_per_block,
+        http_endpoint=info.http_endpoint.rstrip("/"),
+    )
+
+
+def spec_to_pb(spec: InstanceSpec) -> pb.InstanceInfo:
+    return pb.InstanceInfo(
+        engine_id=spec.engine_id,
+        role=_ROLE_TO_PB[spec.role],
+        incarnation=spec.incarnation,
+        tp_size=spec.tp_size,
+        agent_endpoints=list(spec.agent_endpoints),
+        total_kv_blocks=spec.total_kv_blocks,
+        tokens_per_block=spec.tokens_per_block,
+        http_endpoint=spec.http_endpoint,
+    )
+
+
+def load_from_pb(r: pb.LoadReport) -> Load:
+    return Load(
+        free_blocks=r.free_blocks,
+        reserved_unfilled_blocks=r.reserved_unfilled_blocks,
+        running_requests=r.running_requests,
+        waiting_requests=r.waiting_requests,
+        write_bytes_in_flight=r.write_bytes_in_flight,
+        draining=r.draining,
+    )
+
+
+def load_to_pb(inst: Instance) -> pb.LoadReport:
+    load = inst.load or Load(free_blocks=inst.spec.total_kv_blocks)
+    return pb.LoadReport(
+        engine_id=inst.engine_id,
+        incarnation=inst.spec.incarnation,
+        free_blocks=load.free_blocks,
+        reserved_unfilled_blocks=load.reserved_unfilled_blocks,
+        running_requests=load.running_requests,
+        waiting_requests=load.waiting_requests,
+        write_bytes_in_flight=load.write_bytes_in_flight,
+        draining=load.draining,
+    )
+
+
+def status_to_pb(inst: Instance) -> pb.InstanceStatus:
+    return pb.InstanceStatus(
+        instance=spec_to_pb(inst.spec), load=load_to_pb(inst), alive=True, open_assignments=len(inst.open)
+    )
+
+
+def event_to_pb(event: Event) -> pb.InstanceEvent:
+    return pb.InstanceEvent(kind=_EVENT_TO_PB[event.kind], instance=spec_to_pb(event.spec), reason=event.reason)
+
+
+def outcome_from_pb(value: int) -> Outcome:
+    outcome = _OUTCOME_FROM_PB.get(value)
+    if outcome is None:
+        raise InvalidArgument("outcome must be OUTCOME_OK, OUTCOME_FAILED or OUTCOME_CANCELLED")
+    return outcome
+
+
+def leg_params(rec: AssignmentRecord) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The kv_transfer_params dicts of the prefill and decode legs."""
+    prefill = transfer_params.to_params(
+        transfer_params.PrefillLeg(transfer_id=rec.transfer_id, decode_engine_id=rec.decode.engine_id)
+    )
+    decode = transfer_params.to_params(
+        transfer_params.DecodeLeg(
+            transfer_id=rec.transfer_id,
+            epoch=rec.epoch,
+            prefill_engine_id=rec.prefill.engine_id,
+            prefill_incarnation=rec.prefill.incarnation,
+            prefill_tp_size=rec.prefill.tp_size,
+            prefill_agent_endpoints=list(rec.prefill.agent_endpoints),
+        )
+    )
+    return prefill, decode
+
+
+def _struct(d: dict[str, Any]) -> struct_pb2.Struct:
+    s = struct_pb2.Struct()
+    s.update(d)
+    return s
+
+
+def assignment_to_pb(rec: AssignmentRecord) -> pb.Assignment:
+    prefill, decode = leg_params(rec)
+    return pb.Assignment(
+        transfer_id=rec.transfer_id,
+        epoch=rec.epoch,
+        prefill=spec_to_pb(rec.prefill),
+        decode=spec_to_pb(rec.decode),
+        prefill_kv_transfer_params=_struct(prefill),
+        decode_kv_transfer_params=_struct(decode),
+    )

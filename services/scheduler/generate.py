@@ -1,0 +1,207 @@
+"""Generate: both legs of one request against vLLM's OpenAI-compatible servers, concurrently.
+
+The prefill leg is a non-streaming completion with ``max_tokens=1``; the decode leg streams, and its
+``choices[0].token_ids`` (vLLM's ``return_token_ids``) are forwarded as they arrive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from services.scheduler.convert import leg_params
+from services.scheduler.model import AssignmentRecord
+
+_UNAVAILABLE_HTTP = {502, 503, 504}
+_MAX_BODY = 2000
+
+
+class LegError(Exception):
+    """One HTTP leg failed. ``unavailable``: the server could not be reached or said so."""
+
+    def __init__(self, leg: str, message: str, unavailable: bool) -> None:
+        super().__init__(f"{leg} leg: {message}")
+        self.leg = leg
+        self.unavailable = unavailable
+
+
+class AssignmentLost(Exception):
+    """The assignment ended under the request (an instance died or was replaced)."""
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float
+    ignore_eos: bool
+    seed: int | None
+    request_id: str = ""
+
+
+@dataclass(frozen=True)
+class Chunk:
+    token_ids: list[int]
+    finish_reason: str
+
+
+class OpenAIClient:
+    """Minimal client of vLLM's OpenAI-compatible server, over one shared aiohttp session."""
+
+    def __init__(
+        self,
+        model: str = "",
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 600.0,
+    ) -> None:
+        self._model = model
+        self._models: dict[str, str] = {}
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _http(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                timeout=self._timeout, connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+            )
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    async def model(self, leg: str, endpoint: str) -> str:
+        """The served model name: configured, or the first entry of GET /v1/models (cached)."""
+        if self._model:
+            return self._model
+        cached = self._models.get(endpoint)
+        if cached:
+            return cached
+        url = f"{endpoint}/v1/models"
+        try:
+            async with self._http().get(url) as resp:
+                if resp.status != 200:
+                    raise _http_error(leg, url, resp.status, await resp.text())
+                data = await resp.json(content_type=None)
+                name = str(data["data"][0]["id"])
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise LegError(leg, f"GET {url}: {exc!r}", unavailable=True) from exc
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            raise LegError(leg, f"GET {url}: no model listed ({exc!r})", unavailable=False) from exc
+        self._models[endpoint] = name
+        return name
+
+    def _body(self, model: str, p: GenerateParams, params: dict[str, Any], stream: bool) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": p.prompt_token_ids,
+            "max_tokens": p.max_tokens if stream else 1,
+            "temperature": p.temperature,
+            "ignore_eos": p.ignore_eos,
+            "return_token_ids": True,
+            "stream": stream,
+            "kv_transfer_params": params,
+        }
+        if p.seed is not None:
+            body["seed"] = p.seed
+        return body
+
+    async def prefill(self, endpoint: str, p: GenerateParams, params: dict[str, Any]) -> None:
+        body = self._body(await self.model("prefill", endpoint), p, params, stream=False)
+        url = f"{endpoint}/v1/completions"
+        try:
+            async with self._http().post(url, json=body) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise _http_error("prefill", url, resp.status, text)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise LegError("prefill", f"POST {url}: {exc!r}", unavailable=True) from exc
+
+    async def decode(self, endpoint: str, p: GenerateParams, params: dict[str, Any]) -> AsyncIterator[Chunk]:
+        body = self._body(await self.model("decode", endpoint), p, params, stream=True)
+        url = f"{endpoint}/v1/completions"
+        try:
+            async with self._http().post(url, json=body) as resp:
+                if resp.status != 200:
+                    raise _http_error("decode", url, resp.status, await resp.text())
+                async for raw in resp.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        return
+                    yield _parse_chunk(url, data)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise LegError("decode", f"POST {url}: {exc!r}", unavailable=True) from exc
+
+
+def _http_error(leg: str, url: str, status: int, body: str) -> LegError:
+    return LegError(leg, f"{url} HTTP {status}: {body[:_MAX_BODY]}", unavailable=status in _UNAVAILABLE_HTTP)
+
+
+def _parse_chunk(url: str, data: bytes) -> Chunk:
+    try:
+        obj = json.loads(data)
+        if "error" in obj:
+            raise LegError("decode", f"{url} stream error: {json.dumps(obj['error'])[:_MAX_BODY]}", False)
+        choice = obj["choices"][0]
+        return Chunk(
+            token_ids=[int(t) for t in choice.get("token_ids") or []],
+            finish_reason=choice.get("finish_reason") or "",
+        )
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise LegError("decode", f"{url} bad stream chunk {data[:200]!r}: {exc!r}", False) from exc
+
+
+async def run_legs(
+    client: OpenAIClient, rec: AssignmentRecord, p: GenerateParams, lost: asyncio.Future[str]
+) -> AsyncIterator[Chunk]:
+    """Sends both legs at once and yields the decode chunks. Raises LegError when either leg fails,
+    AssignmentLost when ``lost`` resolves first. Leaving early (cancel, error) aborts both legs."""
+    prefill_params, decode_params = leg_params(rec)
+    q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    async def decode_leg() -> None:
+        try:
+            async for chunk in client.decode(rec.decode.http_endpoint, p, decode_params):
+                q.put_nowait(("chunk", chunk))
+            q.put_nowait(("done", None))
+        except LegError as exc:
+            q.put_nowait(("error", exc))
+
+    async def prefill_leg() -> None:
+        try:
+            await client.prefill(rec.prefill.http_endpoint, p, prefill_params)
+        except LegError as exc:
+            q.put_nowait(("error", exc))
+
+    def on_lost(f: asyncio.Future[str]) -> None:
+        if not f.cancelled():
+            q.put_nowait(("lost", f.result()))
+
+    tasks = [asyncio.create_task(decode_leg()), asyncio.create_task(prefill_leg())]
+    lost.add_done_callback(on_lost)
+    try:
+        while True:
+            kind, value = await q.get()
+            if kind == "chunk":
+                yield value
+            elif kind == "done":
+                break
+            elif kind == "error":
+                raise value
+            else:
+                raise AssignmentLost(value)
+        # Decode finished, so prefill's KV arrived; give its HTTP answer a moment, then drop it.
+        await asyncio.wait([tasks[1]], timeout=5.0)
+    finally:
+        lost.remove_done_callback(on_lost)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

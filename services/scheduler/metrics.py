@@ -1,0 +1,83 @@
+"""Prometheus metrics of the scheduler, on a registry of their own (one per server)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from services.scheduler.model import Role
+from services.scheduler.registry import Registry
+
+_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+
+class _RegistryCollector(Collector):
+    """Gauges read from the registry at scrape time: nothing to keep in sync."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        alive = GaugeMetricFamily("kvpush_scheduler_instances", "Live registered instances", labels=["role"])
+        for role in Role:
+            alive.add_metric([role.value], len(self._registry.live(role)))
+        yield alive
+        yield GaugeMetricFamily(
+            "kvpush_scheduler_open_assignments", "Assignments not released yet", value=len(self._registry.open)
+        )
+        free = GaugeMetricFamily(
+            "kvpush_scheduler_projected_free_blocks",
+            "Decode free KV blocks minus the scheduler's unreported assignments",
+            labels=["engine_id"],
+        )
+        reserved = GaugeMetricFamily(
+            "kvpush_scheduler_reserved_unfilled_blocks",
+            "Reserved-but-unfilled KV blocks as last reported",
+            labels=["engine_id"],
+        )
+        for inst in self._registry.live(Role.DECODE):
+            free.add_metric([inst.engine_id], inst.projected_free)
+            reserved.add_metric([inst.engine_id], inst.load.reserved_unfilled_blocks if inst.load else 0)
+        yield free
+        yield reserved
+
+
+class Metrics:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.assign_latency = Histogram(
+            "kvpush_scheduler_assign_seconds",
+            "Assign handling time, queueing included",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvpush_scheduler_decisions_total",
+            "Assignments per chosen instance",
+            ["role", "engine_id"],
+            registry=r,
+        )
+        self.rejections = Counter(
+            "kvpush_scheduler_rejections_total", "Refused assignments by reason", ["reason"], registry=r
+        )
+        self.lease_expiries = Counter(
+            "kvpush_scheduler_lease_expiries_total", "Instances declared dead", ["role", "cause"], registry=r
+        )
+        self.releases = Counter(
+            "kvpush_scheduler_releases_total", "Assignments ended, by outcome", ["outcome"], registry=r
+        )
+        self.generate = Counter("kvpush_scheduler_generate_total", "Generate calls by result", ["result"], registry=r)
+        self.ttft = Histogram(
+            "kvpush_scheduler_generate_ttft_seconds",
+            "Generate: time to the first token",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
+            registry=r,
+        )
+        r.register(_RegistryCollector(registry))
+
+    def serve(self, port: int, addr: str = "0.0.0.0") -> None:
+        start_http_server(port, addr=addr, registry=self.registry)

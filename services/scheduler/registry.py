@@ -1,0 +1,273 @@
+"""Instance registry, load leases and assignments: the scheduler's pure state machine.
+
+Single-threaded by design (the gRPC servicer drives it from one asyncio loop); time is passed in,
+so tests can drive leases without sleeping. Changes are announced to listeners:
+
+* ``on_event(Event)``: an instance registered, died, started draining or deregistered;
+* ``on_assignment_closed(AssignmentRecord)``: an open assignment ended other than by Release
+  (its instance died or was replaced, or it was superseded by a newer epoch);
+* ``on_capacity()``: projected capacity may have grown (a report, release or registration), so
+  queued admissions should try again.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound
+from services.scheduler.model import (
+    AssignmentRecord,
+    Demand,
+    Event,
+    EventKind,
+    Instance,
+    InstanceSpec,
+    Load,
+    Outcome,
+    Role,
+    State,
+)
+from services.scheduler.policy import DecodePolicy, LeastBusy, PowerOfTwoChoices, PrefillPolicy
+
+_OUTCOME_STATE = {Outcome.OK: State.OK, Outcome.FAILED: State.FAILED, Outcome.CANCELLED: State.CANCELLED}
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    interval_s: float = 0.5
+    misses: int = 3
+    # A pending (not yet reported) assignment counts against its decode until a report arrives this
+    # long after it was made; by then the decode has allocated the blocks and reports them.
+    settle_s: float = 0.5
+
+    @property
+    def timeout_s(self) -> float:
+        return self.interval_s * self.misses
+
+
+class Registry:
+    def __init__(
+        self,
+        lease: LeaseConfig | None = None,
+        decode_policy: DecodePolicy | None = None,
+        prefill_policy: PrefillPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        closed_history: int = 65536,
+        first_epoch: int | None = None,
+    ) -> None:
+        self.lease = lease or LeaseConfig()
+        self.decode_policy: DecodePolicy = decode_policy or PowerOfTwoChoices()
+        self.prefill_policy: PrefillPolicy = prefill_policy or LeastBusy()
+        self.clock = clock
+        self.instances: dict[str, Instance] = {}
+        self.open: dict[str, AssignmentRecord] = {}
+        self.closed: OrderedDict[str, AssignmentRecord] = OrderedDict()
+        self._closed_history = closed_history
+        # Epochs grow across scheduler restarts too: start from the wall clock in microseconds.
+        self._epochs = itertools.count(first_epoch if first_epoch is not None else time.time_ns() // 1000)
+        self.event_listeners: list[Callable[[Event], None]] = []
+        self.closed_listeners: list[Callable[[AssignmentRecord], None]] = []
+        self.capacity_listeners: list[Callable[[], None]] = []
+
+    # ---------------------------------------------------------------- notifications
+
+    def _emit(self, event: Event) -> None:
+        for fn in self.event_listeners:
+            fn(event)
+
+    def _capacity(self) -> None:
+        for fn in self.capacity_listeners:
+            fn()
+
+    # ---------------------------------------------------------------- registration and leases
+
+    def register(self, spec: InstanceSpec, now: float | None = None) -> Instance:
+        """Adds or refreshes an instance. A new incarnation of a known engine replaces the old one
+        (whose open assignments fail); the same incarnation only refreshes the lease."""
+        try:
+            spec.validate()
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
+        now = self.clock() if now is None else now
+        old = self.instances.get(spec.engine_id)
+        if old is not None:
+            if old.spec.role != spec.role:
+                raise FailedPrecondition(
+                    f"engine {spec.engine_id!r} is registered as {old.spec.role.value}, not {spec.role.value}"
+                )
+            if old.spec.incarnation == spec.incarnation:
+                old.last_seen = now
+                if old.spec != spec:
+                    old.spec = spec
+                return old
+            self._remove(old, EventKind.DEAD, f"replaced by incarnation {spec.incarnation}")
+        inst = Instance(spec=spec, registered_at=now, last_seen=now)
+        self.instances[spec.engine_id] = inst
+        self._emit(Event(EventKind.REGISTERED, spec))
+        self._capacity()
+        return inst
+
+    def _lookup(self, engine_id: str, incarnation: str) -> Instance:
+        inst = self.instances.get(engine_id)
+        if inst is None:
+            raise NotFound(f"engine {engine_id!r} is not registered (register first)")
+        if inst.spec.incarnation != incarnation:
+            raise FailedPrecondition(
+                f"engine {engine_id!r} incarnation {incarnation!r} is stale; current is {inst.spec.incarnation!r}"
+            )
+        return inst
+
+    def report(self, engine_id: str, incarnation: str, load: Load, now: float | None = None) -> int:
+        """Records a load report and renews the lease. Returns the report sequence number."""
+        now = self.clock() if now is None else now
+        inst = self._lookup(engine_id, incarnation)
+        was_draining = inst.draining
+        inst.load = load
+        inst.last_seen = now
+        inst.reports += 1
+        inst.settle_pending(now - self.lease.settle_s)
+        if load.draining and not was_draining:
+            self._emit(Event(EventKind.DRAINING, inst.spec, "instance reported draining"))
+        self._capacity()
+        return inst.reports
+
+    def stream_closed(self, engine_id: str, incarnation: str, clean: bool) -> None:
+        """The instance's load stream ended: a clean half-close deregisters it, a broken stream
+        declares it dead. Either way its open assignments fail now, not at lease expiry."""
+        inst = self.instances.get(engine_id)
+        if inst is None or inst.spec.incarnation != incarnation:
+            return
+        if clean:
+            self._remove(inst, EventKind.DEREGISTERED, "load stream closed by the instance")
+        else:
+            self._remove(inst, EventKind.DEAD, "load stream lost")
+
+    def expire(self, now: float | None = None) -> list[Instance]:
+        """Declares dead every instance whose lease ran out; returns them."""
+        now = self.clock() if now is None else now
+        timeout = self.lease.timeout_s
+        dead = [i for i in self.instances.values() if now - i.last_seen > timeout]
+        for inst in dead:
+            self._remove(inst, EventKind.DEAD, f"lease expired: no load report for {now - inst.last_seen:.3f}s")
+        return dead
+
+    def next_expiry(self) -> float | None:
+        if not self.instances:
+            return None
+        return min(i.last_seen for i in self.instances.values()) + self.lease.timeout_s
+
+    def _remove(self, inst: Instance, kind: EventKind, reason: str) -> None:
+        del self.instances[inst.engine_id]
+        for transfer_id in sorted(inst.open):
+            rec = self.open.get(transfer_id)
+            if rec is not None:
+                self._close(rec, State.FAILED, f"{inst.spec.role.value} {inst.engine_id} {kind.value}: {reason}")
+                self._notify_closed(rec)
+        self._emit(Event(kind, inst.spec, reason))
+        self._capacity()
+
+    # ---------------------------------------------------------------- assignment
+
+    def live(self, role: Role) -> list[Instance]:
+        return [i for i in self.instances.values() if i.spec.role is role]
+
+    def assign(self, demand: Demand, transfer_id: str = "", now: float | None = None) -> AssignmentRecord:
+        """Chooses decode (load-aware, must hold the demand) and then prefill. Raises NoCapacity
+        with a reason when admission fails, InvalidArgument for a bad demand."""
+        if demand.prompt_tokens < 1:
+            raise InvalidArgument("prompt_tokens must be >= 1")
+        now = self.clock() if now is None else now
+        decodes = [i for i in self.instances.values() if i.spec.role is Role.DECODE and not i.draining]
+        if not decodes:
+            raise NoCapacity("no_decode", "no live decode instance is registered")
+        prefills = [i for i in self.instances.values() if i.spec.role is Role.PREFILL and not i.draining]
+        if not prefills:
+            raise NoCapacity("no_prefill", "no live prefill instance is registered")
+        fitting = [d for d in decodes if d.projected_free >= demand.blocks_on(d.spec.tokens_per_block)]
+        if not fitting:
+            best = max(decodes, key=lambda d: d.projected_free)
+            need = demand.blocks_on(best.spec.tokens_per_block)
+            if need > best.spec.total_kv_blocks:
+                raise NoCapacity(
+                    "too_large",
+                    f"request needs {need} KV blocks; the largest decode instance has {best.spec.total_kv_blocks}",
+                )
+            raise NoCapacity(
+                "no_capacity",
+                f"no decode instance can hold {need} KV blocks "
+                f"(best projected free: {best.projected_free} on {best.engine_id})",
+            )
+        decode = self.decode_policy.choose(fitting, demand)
+        if decode is None:
+            raise NoCapacity("no_capacity", f"decode policy {self.decode_policy.name} chose no instance")
+        prefill = self.prefill_policy.choose(prefills, demand)
+        if prefill is None:
+            raise NoCapacity("no_prefill", f"prefill policy {self.prefill_policy.name} chose no instance")
+
+        if transfer_id:
+            previous = self.open.get(transfer_id)
+            if previous is not None:
+                self._close(previous, State.SUPERSEDED, "re-assigned with a newer epoch")
+                self._notify_closed(previous)
+        else:
+            transfer_id = uuid.uuid4().hex
+        blocks = demand.blocks_on(decode.spec.tokens_per_block)
+        rec = AssignmentRecord(
+            transfer_id=transfer_id,
+            epoch=next(self._epochs),
+            prefill=prefill.spec,
+            decode=decode.spec,
+            decode_blocks=blocks,
+            created_at=now,
+        )
+        self.open[transfer_id] = rec
+        self.closed.pop(transfer_id, None)
+        decode.open.add(transfer_id)
+        decode.add_pending(transfer_id, blocks, now)
+        prefill.open.add(transfer_id)
+        prefill.add_pending(transfer_id, 0, now)
+        return rec
+
+    def release(self, transfer_id: str, epoch: int, outcome: Outcome, reason: str = "") -> AssignmentRecord:
+        """Ends an assignment. Idempotent for an already closed one with the same epoch."""
+        rec = self.open.get(transfer_id) or self.closed.get(transfer_id)
+        if rec is None:
+            raise NotFound(f"unknown transfer {transfer_id!r}")
+        if rec.epoch != epoch:
+            raise FailedPrecondition(
+                f"transfer {transfer_id!r} epoch {epoch} is stale; the current epoch is {rec.epoch}"
+            )
+        if rec.state is State.OPEN:
+            self._close(rec, _OUTCOME_STATE[outcome], reason)
+            self._capacity()
+        return rec
+
+    def _close(self, rec: AssignmentRecord, state: State, reason: str) -> None:
+        rec.state = state
+        rec.reason = reason
+        if self.open.get(rec.transfer_id) is rec:
+            del self.open[rec.transfer_id]
+        for spec in (rec.decode, rec.prefill):
+            inst = self.instances.get(spec.engine_id)
+            if inst is not None and inst.spec.incarnation == spec.incarnation:
+                inst.open.discard(rec.transfer_id)
+                inst.drop_pending(rec.transfer_id)
+        if state is not State.SUPERSEDED:
+            self.closed[rec.transfer_id] = rec
+            self.closed.move_to_end(rec.transfer_id)
+            while len(self.closed) > self._closed_history:
+                self.closed.popitem(last=False)
+
+    def _notify_closed(self, rec: AssignmentRecord) -> None:
+        for fn in self.closed_listeners:
+            fn(rec)
+
+    # ---------------------------------------------------------------- views
+
+    def snapshot(self) -> Iterable[Instance]:
+        return list(self.instances.values())

@@ -1,0 +1,392 @@
+"""kvpush.v1.Scheduler over grpc.aio: a thin adapter around the pure Registry."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+import grpc
+
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.common.logs import get_logger
+from services.scheduler import convert
+from services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound, SchedulerError
+from services.scheduler.generate import AssignmentLost, GenerateParams, LegError, OpenAIClient, run_legs
+from services.scheduler.metrics import Metrics
+from services.scheduler.model import AssignmentRecord, Demand, Event, EventKind, Outcome, State
+from services.scheduler.registry import Registry
+
+_CODES: dict[type[SchedulerError], grpc.StatusCode] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
+    NoCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+_MAX_PROMPT_TOKENS = 1 << 22
+
+
+class ShuttingDown(NoCapacity):
+    def __init__(self) -> None:
+        super().__init__("shutting_down", "scheduler is shutting down; retry on another scheduler")
+
+
+@dataclass(frozen=True)
+class ServicerConfig:
+    max_queue_s: float = 10.0  # longest an Assign waits for capacity (only with a caller deadline)
+    max_queued: int = 1024  # Assign calls waiting for capacity at once
+    deadline_margin_s: float = 0.02  # answer RESOURCE_EXHAUSTED this long before the caller's deadline
+    watch_queue: int = 4096  # events buffered per Watch subscriber before it is cut off
+
+
+class _Signal:
+    """Wakes every waiter once per notify; grab ``current()`` before checking the condition."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def current(self) -> asyncio.Event:
+        return self._event
+
+    def notify(self) -> None:
+        self._event.set()
+        self._event = asyncio.Event()
+
+
+class _Subscriber:
+    def __init__(self, size: int) -> None:
+        self.queue: asyncio.Queue[Event | None] = asyncio.Queue(maxsize=size)
+        self.overflowed = False
+
+    def put(self, event: Event | None) -> None:
+        if self.overflowed:
+            return
+        try:
+            self.queue.put_nowait(event)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            while not self.queue.empty():
+                self.queue.get_nowait()
+            self.queue.put_nowait(None)
+
+
+def _cause(event: Event) -> str:
+    if event.reason.startswith("lease expired"):
+        return "lease"
+    if event.reason.startswith("replaced"):
+        return "replaced"
+    return "stream"
+
+
+class SchedulerServicer(pb_grpc.SchedulerServicer):
+    def __init__(
+        self,
+        registry: Registry,
+        metrics: Metrics,
+        client: OpenAIClient | None = None,
+        config: ServicerConfig | None = None,
+    ) -> None:
+        self.registry = registry
+        self.metrics = metrics
+        self.client = client or OpenAIClient()
+        self.config = config or ServicerConfig()
+        self.log = get_logger("scheduler")
+        self.shutting_down = False
+        self._changed = _Signal()
+        self._queued = 0
+        self._inflight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._subscribers: set[_Subscriber] = set()
+        self._lost: dict[str, asyncio.Future[str]] = {}
+        registry.event_listeners.append(self._on_event)
+        registry.closed_listeners.append(self._on_closed)
+        registry.capacity_listeners.append(self._changed.notify)
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _on_event(self, event: Event) -> None:
+        spec = event.spec
+        fields: dict[str, Any] = {
+            "engine_id": spec.engine_id,
+            "incarnation": spec.incarnation,
+            "role": spec.role.value,
+        }
+        if event.kind is EventKind.REGISTERED:
+            self.log.info(
+                "instance_registered",
+                tp_size=spec.tp_size,
+                total_kv_blocks=spec.total_kv_blocks,
+                http_endpoint=spec.http_endpoint,
+                **fields,
+            )
+        elif event.kind is EventKind.DEAD:
+            self.metrics.lease_expiries.labels(spec.role.value, _cause(event)).inc()
+            self.log.warning("instance_dead", reason=event.reason, **fields)
+        else:
+            self.log.info(f"instance_{event.kind.value}", reason=event.reason, **fields)
+        for sub in self._subscribers:
+            sub.put(event)
+
+    def _on_closed(self, rec: AssignmentRecord) -> None:
+        self.log.warning("assignment_failed", transfer_id=rec.transfer_id, state=rec.state.value, reason=rec.reason)
+        fut = self._lost.get(rec.transfer_id)
+        if fut is not None and not fut.done():
+            fut.set_result(rec.reason)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, exc: SchedulerError) -> NoReturn:
+        if isinstance(exc, ShuttingDown):
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        await context.abort(_CODES.get(type(exc), grpc.StatusCode.INTERNAL), str(exc))
+        raise AssertionError("unreachable")
+
+    def _begin(self) -> None:
+        self._inflight += 1
+        self._idle.clear()
+
+    def _end(self) -> None:
+        self._inflight -= 1
+        if self._inflight == 0:
+            self._idle.set()
+
+    def begin_shutdown(self) -> None:
+        """New Assign/Generate calls get UNAVAILABLE; queued ones wake and fail; Watch streams end."""
+        self.shutting_down = True
+        self._changed.notify()
+        for sub in self._subscribers:
+            sub.put(None)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Waits until no Assign/Generate call is in flight; False when ``timeout`` passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def _admit(self, demand: Demand, transfer_id: str, time_remaining: float | None) -> AssignmentRecord:
+        """Assigns now, or queues for capacity within the caller's deadline (never without one)."""
+        if self.shutting_down:
+            raise ShuttingDown()
+        wait_until = None
+        if time_remaining is not None:
+            budget = min(time_remaining - self.config.deadline_margin_s, self.config.max_queue_s)
+            wait_until = time.monotonic() + budget
+        while True:
+            changed = self._changed.current()
+            try:
+                return self.registry.assign(demand, transfer_id)
+            except NoCapacity as exc:
+                left = (wait_until - time.monotonic()) if wait_until is not None else 0.0
+                if exc.reason == "too_large" or left <= 0:
+                    raise
+                if self._queued >= self.config.max_queued:
+                    raise NoCapacity("queue_full", f"{exc}; admission queue is full") from None
+                self._queued += 1
+                try:
+                    await asyncio.wait_for(changed.wait(), left)
+                except TimeoutError:
+                    raise NoCapacity(exc.reason, f"{exc} (queued until the deadline)") from None
+                finally:
+                    self._queued -= 1
+                if self.shutting_down:
+                    raise ShuttingDown() from None
+
+    def _decided(self, rec: AssignmentRecord) -> None:
+        self.metrics.decisions.labels("decode", rec.decode.engine_id).inc()
+        self.metrics.decisions.labels("prefill", rec.prefill.engine_id).inc()
+
+    # ---------------------------------------------------------------- registry RPCs
+
+    async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+        try:
+            self.registry.register(convert.spec_from_pb(request.instance))
+        except SchedulerError as exc:
+            await self._abort(context, exc)
+        lease = self.registry.lease
+        return pb.RegisterResponse(lease_interval_ms=round(lease.interval_s * 1000), lease_misses=lease.misses)
+
+    async def ReportLoad(
+        self, request_iterator: AsyncIterator[pb.LoadReport], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.LoadAck]:
+        ident: tuple[str, str] | None = None
+        clean = False
+        try:
+            async for report in request_iterator:
+                key = (report.engine_id, report.incarnation)
+                if ident is None:
+                    ident = key
+                elif key != ident:
+                    await context.abort(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"one load stream per instance: got {key}, the stream is for {ident}",
+                    )
+                try:
+                    seq = self.registry.report(report.engine_id, report.incarnation, convert.load_from_pb(report))
+                except SchedulerError as exc:
+                    ident = None  # not ours to close
+                    await self._abort(context, exc)
+                yield pb.LoadAck(sequence=seq)
+            clean = True
+        finally:
+            if ident is not None and not self.shutting_down:
+                self.registry.stream_closed(ident[0], ident[1], clean)
+
+    async def ListInstances(
+        self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListInstancesResponse:
+        return pb.ListInstancesResponse(instances=[convert.status_to_pb(i) for i in self.registry.snapshot()])
+
+    async def Watch(
+        self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.InstanceEvent]:
+        sub = _Subscriber(self.config.watch_queue)
+        self._subscribers.add(sub)
+        try:
+            if request.include_current:
+                for inst in self.registry.snapshot():
+                    yield convert.event_to_pb(Event(EventKind.REGISTERED, inst.spec, "current"))
+            while not self.shutting_down:
+                event = await sub.queue.get()
+                if event is None:
+                    if sub.overflowed:
+                        await context.abort(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED, "watch subscriber fell behind; resubscribe"
+                        )
+                    return
+                yield convert.event_to_pb(event)
+        finally:
+            self._subscribers.discard(sub)
+
+    # ---------------------------------------------------------------- frontend RPCs
+
+    async def Assign(self, request: pb.AssignRequest, context: grpc.aio.ServicerContext) -> pb.Assignment:
+        t0 = time.perf_counter()
+        self._begin()
+        try:
+            if request.prompt_tokens > _MAX_PROMPT_TOKENS:
+                raise InvalidArgument(f"prompt_tokens {request.prompt_tokens} exceeds {_MAX_PROMPT_TOKENS}")
+            demand = Demand(request.prompt_tokens, request.max_tokens, request.prefix_hint)
+            rec = await self._admit(demand, request.transfer_id, context.time_remaining())
+        except SchedulerError as exc:
+            if isinstance(exc, NoCapacity):
+                self.metrics.rejections.labels(exc.reason).inc()
+                self.log.info("assign_rejected", reason=exc.reason, detail=str(exc))
+            await self._abort(context, exc)
+        finally:
+            self._end()
+            self.metrics.assign_latency.observe(time.perf_counter() - t0)
+        self._decided(rec)
+        self.log.debug(
+            "assigned",
+            transfer_id=rec.transfer_id,
+            epoch=rec.epoch,
+            decode=rec.decode.engine_id,
+            prefill=rec.prefill.engine_id,
+            blocks=rec.decode_blocks,
+        )
+        return convert.assignment_to_pb(rec)
+
+    async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
+        try:
+            if not request.transfer_id:
+                raise InvalidArgument("transfer_id is required")
+            outcome = convert.outcome_from_pb(request.outcome)
+            rec = self.registry.release(request.transfer_id, request.epoch, outcome, request.reason)
+        except SchedulerError as exc:
+            await self._abort(context, exc)
+        self.metrics.releases.labels(outcome.value).inc()
+        self.log.debug(
+            "released", transfer_id=rec.transfer_id, outcome=outcome.value, state=rec.state.value, reason=request.reason
+        )
+        return pb.ReleaseResponse()
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        t0 = time.perf_counter()
+        self._begin()
+        try:
+            async for msg in self._generate(request, context, t0):
+                yield msg
+        finally:
+            self._end()
+
+    async def _generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext, t0: float
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            if not request.prompt_token_ids:
+                raise InvalidArgument("prompt_token_ids must not be empty")
+            if len(request.prompt_token_ids) > _MAX_PROMPT_TOKENS:
+                raise InvalidArgument(f"prompt has more than {_MAX_PROMPT_TOKENS} tokens")
+            if request.max_tokens < 1:
+                raise InvalidArgument("max_tokens must be >= 1")
+            if not request.temperature >= 0.0:
+                raise InvalidArgument("temperature must be >= 0")
+            demand = Demand(len(request.prompt_token_ids), request.max_tokens)
+            rec = await self._admit(demand, "", context.time_remaining())
+        except SchedulerError as exc:
+            if isinstance(exc, NoCapacity):
+                self.metrics.rejections.labels(exc.reason).inc()
+            self.metrics.generate.labels("rejected").inc()
+            await self._abort(context, exc)
+        self._decided(rec)
+        log = self.log.bind(transfer_id=rec.transfer_id, request_id=request.request_id)
+        log.info("generate_started", decode=rec.decode.engine_id, prefill=rec.prefill.engine_id, epoch=rec.epoch)
+        params = GenerateParams(
+            prompt_token_ids=list(request.prompt_token_ids),
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            ignore_eos=request.ignore_eos,
+            seed=request.seed if request.seed else None,
+            request_id=request.request_id,
+        )
+        lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._lost[rec.transfer_id] = lost
+        outcome, reason, tokens = Outcome.FAILED, "", 0
+        first = True
+        try:
+            async for chunk in run_legs(self.client, rec, params, lost):
+                msg = pb.GenerateResponse(
+                    transfer_id=rec.transfer_id,
+                    token_ids=chunk.token_ids,
+                    finished=bool(chunk.finish_reason),
+                    finish_reason=chunk.finish_reason,
+                    decode_engine_id=rec.decode.engine_id,
+                    prefill_engine_id=rec.prefill.engine_id,
+                )
+                if first and chunk.token_ids:
+                    first = False
+                    msg.ttft_seconds = time.perf_counter() - t0
+                    self.metrics.ttft.observe(msg.ttft_seconds)
+                tokens += len(chunk.token_ids)
+                yield msg
+            outcome = Outcome.OK
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome, reason = Outcome.CANCELLED, "client cancelled"
+            raise
+        except LegError as exc:
+            reason = str(exc)
+            log.warning("generate_leg_failed", leg=exc.leg, reason=reason)
+            code = grpc.StatusCode.UNAVAILABLE if exc.unavailable else grpc.StatusCode.INTERNAL
+            await context.abort(code, reason)
+        except AssignmentLost as exc:
+            reason = str(exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"assignment lost: {reason}")
+        finally:
+            self._lost.pop(rec.transfer_id, None)
+            self.metrics.generate.labels(outcome.value).inc()
+            if rec.state is State.OPEN:
+                self.registry.release(rec.transfer_id, rec.epoch, outcome, reason)
+            self.metrics.releases.labels(outcome.value).inc()
+            log.info(
+                "generate_finished",
+                outcome=outcome.value,
+                tokens=tokens,
+                seconds=round(time.perf_counter() - t0, 6),
+                reason=reason,
+            )
