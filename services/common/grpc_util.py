@@ -28,9 +28,7 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 
 
-def add_health_and_reflection(
-    server: grpc.Server | grpc.aio.Server, service_names: list[str]
-) -> health.HealthServicer:
+def add_health_and_reflection(server: grpc.Server | grpc.aio.Server, service_names: list[str]) -> health.HealthServicer:
     """Registers grpc.health.v1 and server reflection for kvpush services given by short name
     (``"Scheduler"``); each starts SERVING, as does the server as a whole (``""``)."""
     servicer = health.HealthServicer(experimental_non_blocking=True)

@@ -31,6 +31,9 @@ class DecodeLeg:
     prefill_incarnation: str
     prefill_tp_size: int
     prefill_agent_endpoints: list[str] = field(default_factory=list)
+    # Per prefill rank, aligned with the endpoints; a rank whose incarnation differs (it restarted
+    # since the assignment) refuses the stream. Empty: not checked.
+    prefill_rank_incarnations: list[str] = field(default_factory=list)
     role: str = "decode"
 
 
@@ -60,6 +63,7 @@ def parse(params: dict[str, Any] | None) -> PrefillLeg | DecodeLeg | None:
                 prefill_incarnation=str(raw.get("prefill_incarnation", "")),
                 prefill_tp_size=int(raw["prefill_tp_size"]),
                 prefill_agent_endpoints=[str(e) for e in raw["prefill_agent_endpoints"]],
+                prefill_rank_incarnations=[str(i) for i in raw.get("prefill_rank_incarnations", [])],
             )
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"malformed kvpush params: {exc}") from exc

@@ -146,7 +146,7 @@ class EngineIdentity(_message.Message):
     engine_id: _builtins.str
     """fixed by configuration, stable across restarts"""
     incarnation: _builtins.str
-    """new random value on every start of the process"""
+    """new random value on every start of the rank's process"""
     compatibility_hash: _builtins.str
     """model, dtype, layers, heads, head size, block size, layout"""
     role: Global___Role.ValueType
@@ -726,6 +726,7 @@ class InstanceInfo(_message.Message):
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _builtins.int
     TOKENS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     HTTP_ENDPOINT_FIELD_NUMBER: _builtins.int
+    AGENT_INCARNATIONS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     incarnation: _builtins.str
@@ -738,6 +739,10 @@ class InstanceInfo(_message.Message):
     def agent_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """host:port per TP rank (prefill: PrefillAgent servers)"""
 
+    @_builtins.property
+    def agent_incarnations(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """per TP rank, aligned with agent_endpoints"""
+
     def __init__(
         self,
         *,
@@ -749,10 +754,11 @@ class InstanceInfo(_message.Message):
         total_kv_blocks: _builtins.int = ...,
         tokens_per_block: _builtins.int = ...,
         http_endpoint: _builtins.str = ...,
+        agent_incarnations: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoints", b"agent_endpoints", "engine_id", b"engine_id", "http_endpoint", b"http_endpoint", "incarnation", b"incarnation", "role", b"role", "tokens_per_block", b"tokens_per_block", "total_kv_blocks", b"total_kv_blocks", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoints", b"agent_endpoints", "agent_incarnations", b"agent_incarnations", "engine_id", b"engine_id", "http_endpoint", b"http_endpoint", "incarnation", b"incarnation", "role", b"role", "tokens_per_block", b"tokens_per_block", "total_kv_blocks", b"total_kv_blocks", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,94 @@
+"""Thin wrapper around one NIXL agent with the UCX backend and DRAM regions.
+
+No progress thread (it costs a core's worth of wake-ups on small machines): the target side
+keeps the agent progressing by calling :meth:`NixlEngine.progress` from its poller. NIXL reports
+errors (remote disconnect, bad descriptors) as exceptions; callers turn them into failed
+transfers. One engine is used from one thread at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any
+
+import numpy as np
+
+
+class NixlError(RuntimeError):
+    """A NIXL call failed; the message names the call and NIXL's error."""
+
+
+def _nixl_api() -> Any:
+    # Import the CUDA-12 build directly: the meta package probes torch's CUDA version, which is
+    # meaningless on CPU machines and breaks beside a CUDA-13 torch.
+    for name in ("nixl_cu12._api", "nixl._api"):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    raise NixlError("NIXL is not installed (pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1)")
+
+
+class NixlEngine:
+    def __init__(self, name: str, backend_params: dict[str, str] | None = None) -> None:
+        api = _nixl_api()
+        self.name = name
+        self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        self.agent.create_backend("UCX", dict(backend_params or {}))
+        self._registrations: list[Any] = []
+
+    def register(self, ranges: list[tuple[int, int]]) -> None:
+        """Registers DRAM ranges (address, length) for remote access."""
+        descs = self.agent.get_reg_descs([(addr, length, 0, "") for addr, length in ranges], "DRAM")
+        self._registrations.append(self.agent.register_memory(descs))
+
+    def metadata(self) -> bytes:
+        return bytes(self.agent.get_agent_metadata())
+
+    def add_peer(self, metadata: bytes) -> str:
+        name = self.agent.add_remote_agent(metadata)
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def remove_peer(self, name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as exc:  # NIXL raises its own exception types
+            raise NixlError(f"remove_remote_agent({name}): {exc}") from exc
+
+    def post_write(self, local: np.ndarray, remote: np.ndarray, peer: str) -> tuple[Any, str]:
+        """Posts one WRITE of descriptor rows (addr, len, dev); returns (handle, state)."""
+        handle = None
+        try:
+            handle = self.agent.initialize_xfer(
+                "WRITE",
+                self.agent.get_xfer_descs(local, "DRAM"),
+                self.agent.get_xfer_descs(remote, "DRAM"),
+                peer,
+                b"",
+            )
+            return handle, self.agent.transfer(handle)
+        except Exception as exc:
+            if handle is not None:
+                self.release(handle)
+            raise NixlError(f"WRITE to {peer}: {type(exc).__name__}: {exc}") from exc
+
+    def check(self, handle: Any) -> str:
+        try:
+            return str(self.agent.check_xfer_state(handle))
+        except Exception as exc:
+            raise NixlError(f"check_xfer_state: {type(exc).__name__}: {exc}") from exc
+
+    def release(self, handle: Any) -> None:
+        with contextlib.suppress(Exception):  # releasing a failed handle may raise again
+            self.agent.release_xfer_handle(handle)
+
+    def progress(self) -> dict[str, list[bytes]]:
+        """Drives the agent (needed on the target for WRITEs to complete) and drains notifications."""
+        return self.agent.get_new_notifs()
+
+    def close(self) -> None:
+        for reg in self._registrations:
+            with contextlib.suppress(Exception):
+                self.agent.deregister_memory(reg)
+        self._registrations.clear()

@@ -1,0 +1,454 @@
+"""Decode agent: one per decode engine (in vLLM, next to the scheduler in the EngineCore).
+
+``reserve`` mints an epoch and returns at once; a loop thread then registers the expectation
+with every decode rank and publishes the reservation on one long-lived stream per prefill rank
+(many transfers multiplexed). ``cancel`` and failures (a rejection, a lost stream) run the fence:
+Cancel to every prefill rank that got the reservation, and settle the decode ranks only after
+each acked or its stream stayed lost for the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.common.aio_thread import LoopThread
+from services.common.grpc_util import CHANNEL_OPTIONS
+from services.common.layout import ModelShape, new_incarnation
+from services.common.logs import get_logger
+from services.common.tp import prefill_ranks_into
+from services.common.transfer_params import DecodeLeg
+from services.decode_agent import metrics
+from services.decode_agent.transfers import DecodeState, DecodeTransfer
+
+log = get_logger("decode.agent")
+
+
+@dataclass
+class DecodeAgentConfig:
+    engine_id: str
+    tp_size: int
+    shape: ModelShape
+    auth_token: str = ""
+    grace_s: float = 2.0  # a lost stream's reservations are fenced after this long
+    reservation_lease_ms: int = 30_000
+    connect_timeout_s: float = 5.0
+    rpc_timeout_s: float = 5.0
+
+
+@dataclass(frozen=True)
+class Settled:
+    transfer_id: str
+    epoch: int
+    request_id: str
+    state: DecodeState
+    reason: str
+
+
+@dataclass
+class _Pending:
+    transfer: DecodeTransfer
+    leg: DecodeLeg
+    block_ids: list[list[int]]
+    num_tokens: int
+    num_skip_blocks: int
+    reserve_called: float
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass
+class PrefillLink:
+    """The reservations stream to one prefill rank."""
+
+    endpoint: str
+    prefill_engine_id: str
+    prefill_incarnation: str
+    outbox: asyncio.Queue[pb.DecodeMessage] = field(default_factory=asyncio.Queue)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str = ""
+    task: asyncio.Task[None] | None = None
+
+
+class DecodeAgent:
+    def __init__(
+        self,
+        config: DecodeAgentConfig,
+        rank_layouts: list[pb.RankLayout],
+        incarnation: str | None = None,
+        on_settled: Callable[[Settled], None] | None = None,
+    ) -> None:
+        if [r.tp_rank for r in rank_layouts] != list(range(config.tp_size)):
+            raise ValueError(f"need the layouts of decode ranks 0..{config.tp_size - 1}")
+        self.config = config
+        self.identity = pb.EngineIdentity(
+            engine_id=config.engine_id,
+            incarnation=incarnation or new_incarnation(),
+            compatibility_hash=config.shape.compatibility_hash(),
+            role=pb.ROLE_DECODE,
+            tp_size=config.tp_size,
+        )
+        self.rank_layouts = rank_layouts
+        self.on_settled = on_settled
+        self._epochs = itertools.count(1)
+        self._loop = LoopThread("kvpush-decode-agent")
+        self._transfers: dict[str, _Pending] = {}
+        self._links: dict[str, PrefillLink] = {}
+        self._lost: dict[str, float] = {}  # endpoint -> grace deadline of its last lost stream
+        self._rank_channels: list[grpc.aio.Channel] = []
+        self._rank_stubs: list[pb_grpc.DecodeRankStub] = []
+
+    # ----- lifecycle ----------------------------------------------------------------------
+
+    def start(self) -> DecodeAgent:
+        self._loop.start()
+        self._loop.run(self._open_rank_channels())
+        log.info("decode_agent_started", engine_id=self.config.engine_id, incarnation=self.identity.incarnation)
+        return self
+
+    async def _open_rank_channels(self) -> None:
+        for layout in self.rank_layouts:
+            ch = grpc.aio.insecure_channel(layout.completion_endpoint, options=CHANNEL_OPTIONS)
+            self._rank_channels.append(ch)
+            self._rank_stubs.append(pb_grpc.DecodeRankStub(ch))
+
+    def stop(self) -> None:
+        try:
+            self._loop.run(self._close(), timeout=10)
+        finally:
+            self._loop.stop()
+
+    async def _close(self) -> None:
+        for link in self._links.values():
+            if link.task is not None:
+                link.task.cancel()
+        for ch in self._rank_channels:
+            await ch.close()
+
+    # ----- host-facing API (thread-safe, non-blocking) -----------------------------------
+
+    def reserve(
+        self,
+        transfer_id: str,
+        request_id: str,
+        leg: DecodeLeg,
+        block_ids: list[list[int]],
+        num_tokens: int,
+        num_skip_blocks: int = 0,
+    ) -> int:
+        """Publishes decode blocks reserved for ``transfer_id``; returns the epoch at once."""
+        epoch = next(self._epochs)
+        transfer = DecodeTransfer(
+            transfer_id=transfer_id,
+            epoch=epoch,
+            request_id=request_id,
+            prefill_engine_id=leg.prefill_engine_id,
+            links=(),
+            num_blocks=sum(len(g) for g in block_ids),
+            reserved_at=time.monotonic(),
+        )
+        pending = _Pending(transfer, leg, block_ids, num_tokens, num_skip_blocks, time.monotonic())
+        self._loop.call_soon(self._start_publish, pending)
+        return epoch
+
+    def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
+        self._loop.call_soon(self._fence_by_id, transfer_id, None, DecodeState.CANCELLED, reason)
+
+    def finished(self, transfer_id: str, epoch: int | None = None) -> None:
+        """The decode ranks released the transfer on their own (every prefill rank reported)."""
+        self._loop.call_soon(self._finished, transfer_id, epoch)
+
+    def state(self, transfer_id: str) -> DecodeState | None:
+        """For tests and tools: the transfer's state, None once it is forgotten."""
+
+        async def get() -> DecodeState | None:
+            p = self._transfers.get(transfer_id)
+            return p.transfer.state if p else None
+
+        return self._loop.run(get())
+
+    def open_transfers(self) -> int:
+        async def get() -> int:
+            return len(self._transfers)
+
+        return self._loop.run(get())
+
+    # ----- publishing (loop thread) ------------------------------------------------------
+
+    def _start_publish(self, p: _Pending) -> None:
+        old = self._transfers.get(p.transfer.transfer_id)
+        if old is not None and not old.transfer.settled:
+            # A new epoch of a transfer still open: fence the old one first.
+            self._fence(old, DecodeState.CANCELLED, "superseded by a new epoch")
+        self._transfers[p.transfer.transfer_id] = p
+        p.task = asyncio.get_running_loop().create_task(self._publish(p))
+
+    async def _publish(self, p: _Pending) -> None:
+        t, leg = p.transfer, p.leg
+        try:
+            await asyncio.gather(
+                *(
+                    stub.Expect(
+                        pb.Expectation(
+                            transfer_id=t.transfer_id,
+                            epoch=t.epoch,
+                            request_id=t.request_id,
+                            prefill_ranks=prefill_ranks_into(
+                                self.config.shape.total_kv_heads, leg.prefill_tp_size, self.config.tp_size, d
+                            ),
+                            prefill_engine_id=leg.prefill_engine_id,
+                        ),
+                        timeout=self.config.rpc_timeout_s,
+                    )
+                    for d, stub in enumerate(self._rank_stubs)
+                )
+            )
+        except (grpc.aio.AioRpcError, ValueError) as exc:
+            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+            self._fence(p, DecodeState.FAILED, f"decode rank refused the expectation: {detail}")
+            return
+        if t.state is not DecodeState.RESERVED:
+            return  # cancelled while registering; the fence settles it
+        if len(leg.prefill_agent_endpoints) != leg.prefill_tp_size or len(leg.prefill_rank_incarnations) not in (
+            0,
+            leg.prefill_tp_size,
+        ):
+            self._fence(p, DecodeState.FAILED, "prefill endpoints or incarnations do not match its TP size")
+            return
+        msg = pb.DecodeMessage(
+            reservation=pb.Reservation(
+                transfer_id=t.transfer_id,
+                epoch=t.epoch,
+                block_ids=[pb.BlockIds(ids=g) for g in p.block_ids],
+                num_tokens=p.num_tokens,
+                num_skip_blocks=p.num_skip_blocks,
+                lease_ms=self.config.reservation_lease_ms,
+            )
+        )
+        incarnations = leg.prefill_rank_incarnations or [""] * len(leg.prefill_agent_endpoints)
+        for endpoint, incarnation in zip(leg.prefill_agent_endpoints, incarnations, strict=False):
+            link = self._link(endpoint, leg.prefill_engine_id, incarnation)
+            if not link.ready.is_set():
+                try:
+                    await asyncio.wait_for(self._wait_ready(link), self.config.connect_timeout_s)
+                except TimeoutError:
+                    link.error = link.error or f"no HelloAck from {endpoint} within {self.config.connect_timeout_s}s"
+            if not link.ready.is_set() or link.lost.is_set():
+                self._fence(p, DecodeState.FAILED, f"prefill rank {endpoint} unreachable: {link.error}")
+                return
+            if t.state is not DecodeState.RESERVED and t.state is not DecodeState.PUBLISHED:
+                return
+            link.outbox.put_nowait(msg)
+            t.links = (*t.links, endpoint)
+            t.mark_published(time.monotonic())
+        metrics.RESERVATIONS.inc()
+        metrics.PUBLISH_SECONDS.observe(time.monotonic() - p.reserve_called)
+        log.debug("reservation_published", transfer_id=t.transfer_id, epoch=t.epoch, links=len(t.links))
+
+    @staticmethod
+    async def _wait_ready(link: PrefillLink) -> None:
+        ready = asyncio.ensure_future(link.ready.wait())
+        lost = asyncio.ensure_future(link.lost.wait())
+        try:
+            await asyncio.wait({ready, lost}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+            lost.cancel()
+
+    # ----- links --------------------------------------------------------------------------
+
+    def _link(self, endpoint: str, engine_id: str, incarnation: str) -> PrefillLink:
+        link = self._links.get(endpoint)
+        if link is not None and not link.lost.is_set():
+            same = link.prefill_engine_id == engine_id and (
+                not incarnation or link.prefill_incarnation in ("", incarnation)
+            )
+            if same:
+                return link
+            if link.task is not None:
+                link.task.cancel()  # the prefill side at this address changed: reconnect
+        link = PrefillLink(endpoint, engine_id, incarnation)
+        self._links[endpoint] = link
+        link.task = asyncio.get_running_loop().create_task(self._run_link(link))
+        return link
+
+    async def _run_link(self, link: PrefillLink) -> None:
+        hello = pb.DecodeMessage(
+            hello=pb.Hello(
+                decode=self.identity,
+                decode_ranks=self.rank_layouts,
+                expected_prefill_engine_id=link.prefill_engine_id,
+                expected_prefill_incarnation=link.prefill_incarnation,
+                auth_token=self.config.auth_token,
+            )
+        )
+        channel = grpc.aio.insecure_channel(link.endpoint, options=CHANNEL_OPTIONS)
+        call = pb_grpc.PrefillAgentStub(channel).Reservations()
+        sender: asyncio.Task[None] | None = None
+        try:
+            await call.write(hello)
+            first = await call.read()
+            if first is grpc.aio.EOF or first.WhichOneof("body") != "hello_ack":
+                raise ConnectionError("stream ended before HelloAck")
+            link.prefill_incarnation = first.hello_ack.prefill.incarnation
+            link.ready.set()
+            metrics.LINKS.inc()
+            log.info("prefill_link_ready", endpoint=link.endpoint, prefill_incarnation=link.prefill_incarnation)
+            sender = asyncio.get_running_loop().create_task(self._send_loop(link, call))
+            while True:
+                msg = await call.read()
+                if msg is grpc.aio.EOF:
+                    raise ConnectionError("prefill closed the stream")
+                self._on_prefill_message(link, msg)
+        except asyncio.CancelledError:
+            link.error = "closed"
+        except grpc.aio.AioRpcError as exc:
+            link.error = f"{exc.code().name}: {exc.details()}"
+        except Exception as exc:
+            link.error = f"{type(exc).__name__}: {exc}"
+        finally:
+            if sender is not None:
+                sender.cancel()
+            call.cancel()
+            await channel.close()
+            if link.ready.is_set():
+                metrics.LINKS.dec()
+            self._on_link_lost(link)
+
+    @staticmethod
+    async def _send_loop(link: PrefillLink, call: grpc.aio.StreamStreamCall) -> None:
+        while True:
+            msg = await link.outbox.get()
+            await call.write(msg)
+
+    def _on_prefill_message(self, link: PrefillLink, msg: pb.PrefillMessage) -> None:
+        kind = msg.WhichOneof("body")
+        if kind == "cancel_ack":
+            a = msg.cancel_ack
+            p = self._transfers.get(a.transfer_id)
+            if p is not None and p.transfer.epoch == a.epoch:
+                p.transfer.on_cancel_ack(link.endpoint)
+                self._maybe_settle(p)
+        elif kind == "rejected":
+            r = msg.rejected
+            code = grpc.StatusCode.UNKNOWN
+            for c in grpc.StatusCode:
+                if c.value[0] == r.code:
+                    code = c
+            log.warning(
+                "reservation_rejected", transfer_id=r.transfer_id, epoch=r.epoch, code=code.name, reason=r.message
+            )
+            self._fence_by_id(r.transfer_id, r.epoch, DecodeState.FAILED, f"{code.name}: {r.message}")
+        elif kind == "drain":
+            log.info("prefill_draining", endpoint=link.endpoint, reason=msg.drain.reason)
+
+    def _on_link_lost(self, link: PrefillLink) -> None:
+        link.lost.set()
+        if self._links.get(link.endpoint) is link:
+            del self._links[link.endpoint]
+        deadline = time.monotonic() + self.config.grace_s
+        self._lost[link.endpoint] = deadline
+        metrics.LINK_LOSSES.inc()
+        log.warning("prefill_link_lost", endpoint=link.endpoint, error=link.error)
+        for p in list(self._transfers.values()):
+            t = p.transfer
+            if link.endpoint not in t.links or t.settled:
+                continue
+            if t.state is DecodeState.CANCELLING:
+                t.on_link_lost(link.endpoint, deadline)
+                self._maybe_settle(p)
+            else:
+                self._fence(p, DecodeState.FAILED, f"stream to prefill rank {link.endpoint} lost: {link.error}")
+
+    # ----- fence --------------------------------------------------------------------------
+
+    def _fence_by_id(self, transfer_id: str, epoch: int | None, outcome: DecodeState, reason: str) -> None:
+        p = self._transfers.get(transfer_id)
+        if p is None or (epoch is not None and p.transfer.epoch != epoch):
+            return
+        self._fence(p, outcome, reason)
+
+    def _fence(self, p: _Pending, outcome: DecodeState, reason: str) -> None:
+        t = p.transfer
+        if t.settled:
+            return
+        if p.task is not None and not p.task.done() and t.state is DecodeState.RESERVED:
+            # Still registering with the ranks: fence once that finished, so a settlement never
+            # overtakes its expectation.
+            p.task.add_done_callback(lambda _: self._fence(p, outcome, reason))
+            if t.fence_outcome is None:
+                t.reason = reason
+            return
+        now = time.monotonic()
+        lost = {ep: d for ep, d in self._lost.items() if ep not in self._links}
+        first = t.state is not DecodeState.CANCELLING
+        for endpoint in t.start_fence(outcome, reason, lost):
+            link = self._links.get(endpoint)
+            if link is None:
+                t.on_link_lost(endpoint, now + self.config.grace_s)
+                continue
+            link.outbox.put_nowait(
+                pb.DecodeMessage(cancel=pb.Cancel(transfer_id=t.transfer_id, epoch=t.epoch, reason=reason))
+            )
+        if first:
+            log.info("fence_started", transfer_id=t.transfer_id, epoch=t.epoch, outcome=outcome.value, reason=reason)
+        p.reserve_called = now if first else p.reserve_called
+        self._maybe_settle(p)
+
+    def _maybe_settle(self, p: _Pending) -> None:
+        t = p.transfer
+        if t.state is not DecodeState.CANCELLING:
+            return
+        now = time.monotonic()
+        if not t.fenced(now):
+            deadline = t.next_deadline()
+            if deadline is not None and not t.awaiting_ack:
+                asyncio.get_running_loop().call_later(max(0.0, deadline - now) + 1e-3, self._maybe_settle, p)
+            return
+        state = t.settle()
+        metrics.FENCE_SECONDS.observe(now - p.reserve_called)
+        asyncio.get_running_loop().create_task(self._settle_ranks(p, state))
+
+    async def _settle_ranks(self, p: _Pending, state: DecodeState) -> None:
+        t = p.transfer
+        status = pb.TRANSFER_STATUS_CANCELLED if state is DecodeState.CANCELLED else pb.TRANSFER_STATUS_FAILED
+        results = await asyncio.gather(
+            *(
+                stub.Settle(
+                    pb.Settlement(transfer_id=t.transfer_id, epoch=t.epoch, status=status, reason=t.reason),
+                    timeout=self.config.rpc_timeout_s,
+                )
+                for stub in self._rank_stubs
+            ),
+            return_exceptions=True,
+        )
+        for rank, res in enumerate(results):
+            if isinstance(res, grpc.aio.AioRpcError) and res.code() is not grpc.StatusCode.NOT_FOUND:
+                log.warning("settle_failed", transfer_id=t.transfer_id, rank=rank, code=res.code().name)
+        self._forget(p)
+        metrics.SETTLED.labels(outcome=state.value).inc()
+        log.info("transfer_settled", transfer_id=t.transfer_id, epoch=t.epoch, outcome=state.value, reason=t.reason)
+        if self.on_settled is not None:
+            self.on_settled(Settled(t.transfer_id, t.epoch, t.request_id, state, t.reason))
+
+    def _finished(self, transfer_id: str, epoch: int | None) -> None:
+        p = self._transfers.get(transfer_id)
+        if p is None or (epoch is not None and p.transfer.epoch != epoch):
+            return
+        if p.transfer.complete() or p.transfer.state is DecodeState.CANCELLING:
+            # Every prefill rank reported to the ranks: no WRITE can land any more.
+            if p.transfer.state is DecodeState.CANCELLING:
+                p.transfer.state = DecodeState.COMPLETE
+            metrics.SETTLED.labels(outcome="complete").inc()
+            self._forget(p)
+
+    def _forget(self, p: _Pending) -> None:
+        if self._transfers.get(p.transfer.transfer_id) is p:
+            del self._transfers[p.transfer.transfer_id]

@@ -1,0 +1,234 @@
+"""Decode rank: one per decode worker rank.
+
+Owns the rank's NIXL engine (KV regions registered as DRAM), keeps it progressing from a poller
+thread while transfers are expected (WRITEs over some transports only finish when the target
+calls into NIXL), and serves ``DecodeRank``: expectations from the agent, completions from the
+prefill ranks, settlements from the agent. Released transfers are handed to the host (vLLM's
+worker reports them from ``get_finished``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.common.aio_thread import LoopThread
+from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection
+from services.common.layout import ModelShape, RankRegions, layout_message
+from services.common.logs import get_logger
+from services.common.nixl_engine import NixlEngine
+from services.decode_agent import metrics
+from services.decode_agent.barrier import BarrierTable, CompletionError, Outcome, Released
+
+log = get_logger("decode.rank")
+
+_OUTCOME = {pb.TRANSFER_STATUS_FAILED: Outcome.FAILED, pb.TRANSFER_STATUS_CANCELLED: Outcome.CANCELLED}
+
+
+@dataclass
+class DecodeRankConfig:
+    engine_id: str
+    rank: int
+    tp_size: int
+    shape: ModelShape
+    host: str = "127.0.0.1"
+    port: int = 0
+    poll_interval_s: float = 100e-6  # NIXL progress cadence while transfers are expected
+    tombstone_s: float = 60.0
+
+
+class DecodeRank(pb_grpc.DecodeRankServicer):
+    def __init__(
+        self,
+        config: DecodeRankConfig,
+        engine: NixlEngine,
+        local: RankRegions,
+        on_release: Callable[[Released], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.engine = engine
+        self.local = local
+        self.table = BarrierTable(tombstone_s=config.tombstone_s)
+        self._on_release = on_release
+        self._released: list[Released] = []
+        self._released_cv = threading.Condition()
+        self._loop = LoopThread(f"kvpush-decode-rank-{config.rank}")
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+        self._active = threading.Event()  # set while any barrier waits
+        self._stopping = threading.Event()
+        self._poller = threading.Thread(target=self._poll, name=f"kvpush-nixl-poller-{config.rank}", daemon=True)
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def layout(self) -> pb.RankLayout:
+        return layout_message(
+            self.local,
+            self.config.shape,
+            self.config.rank,
+            self.engine.name,
+            self.engine.metadata(),
+            self.endpoint,
+        )
+
+    def start(self) -> DecodeRank:
+        self._loop.start()
+        self._loop.run(self._start_server())
+        self._poller.start()
+        log.info("decode_rank_started", endpoint=self.endpoint, rank=self.config.rank)
+        return self
+
+    async def _start_server(self) -> None:
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_DecodeRankServicer_to_server(self, self._server)
+        add_health_and_reflection(self._server, ["DecodeRank"])
+        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self._server.start()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stopping.set()
+        self._active.set()
+        if self._server is not None:
+            self._loop.run(self._server.stop(grace_s), timeout=grace_s + 5)
+        self._loop.stop()
+        self._poller.join(5)
+
+    # ----- host-facing -------------------------------------------------------------------
+
+    def take_released(self, timeout_s: float = 0.0) -> list[Released]:
+        with self._released_cv:
+            if not self._released and timeout_s > 0:
+                self._released_cv.wait(timeout_s)
+            out, self._released = self._released, []
+        return out
+
+    # ----- NIXL progress -----------------------------------------------------------------
+
+    def _poll(self) -> None:
+        interval = self.config.poll_interval_s
+        while not self._stopping.is_set():
+            if not self._active.wait(1.0):
+                continue
+            try:
+                self.engine.progress()
+            except Exception:
+                log.exception("nixl_progress_failed")
+            time.sleep(interval)
+
+    def _update_active(self) -> None:
+        if self.table.pending_count():
+            self._active.set()
+        else:
+            self._active.clear()
+
+    # ----- releases ----------------------------------------------------------------------
+
+    def _released_now(self, rel: Released) -> None:
+        b = self.table.get(rel.transfer_id)
+        waited = (time.monotonic() - b.created) if b else 0.0
+        metrics.RELEASED.labels(outcome=rel.outcome.value).inc()
+        metrics.BARRIER_SECONDS.observe(waited)
+        log.info(
+            "transfer_released",
+            transfer_id=rel.transfer_id,
+            epoch=rel.epoch,
+            rank=self.config.rank,
+            outcome=rel.outcome.value,
+            reason=rel.reason or None,
+            waited_ms=round(waited * 1e3, 3),
+        )
+        if self._on_release is not None:
+            self._on_release(rel)
+        else:
+            with self._released_cv:
+                self._released.append(rel)
+                self._released_cv.notify_all()
+
+    # ----- gRPC ---------------------------------------------------------------------------
+
+    async def Expect(self, request: pb.Expectation, context: grpc.aio.ServicerContext) -> pb.ExpectAck:  # noqa: N802
+        now = time.monotonic()
+        self.table.expire(now)
+        try:
+            self.table.expect(
+                request.transfer_id,
+                request.epoch,
+                request.request_id,
+                list(request.prefill_ranks),
+                request.prefill_engine_id,
+                now,
+            )
+        except CompletionError as exc:
+            log.warning("expect_refused", transfer_id=request.transfer_id, code=exc.code.name, reason=exc.message)
+            await context.abort(exc.code, exc.message)
+        self._update_active()
+        return pb.ExpectAck()
+
+    async def Complete(self, request: pb.Completion, context: grpc.aio.ServicerContext) -> pb.CompletionAck:  # noqa: N802
+        if request.decode_rank != self.config.rank:
+            log.warning("completion_refused", transfer_id=request.transfer_id, reason="wrong decode rank")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"completion for rank {request.decode_rank} sent to {self.config.rank}",
+            )
+        if request.status not in (pb.TRANSFER_STATUS_OK, pb.TRANSFER_STATUS_FAILED):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "completion status must be OK or FAILED")
+        try:
+            rel = self.table.complete(
+                request.transfer_id,
+                request.epoch,
+                request.prefill_rank,
+                request.prefill.engine_id,
+                request.status == pb.TRANSFER_STATUS_OK,
+                request.reason,
+                time.monotonic(),
+            )
+        except CompletionError as exc:
+            log.warning(
+                "completion_refused",
+                transfer_id=request.transfer_id,
+                epoch=request.epoch,
+                prefill_rank=request.prefill_rank,
+                code=exc.code.name,
+                reason=exc.message,
+            )
+            await context.abort(exc.code, exc.message)
+        if request.status == pb.TRANSFER_STATUS_OK:
+            metrics.BYTES.inc(request.bytes_written)
+        if rel is not None:
+            self._released_now(rel)
+            self._update_active()
+        return pb.CompletionAck(released=rel is not None)
+
+    async def Settle(self, request: pb.Settlement, context: grpc.aio.ServicerContext) -> pb.SettleAck:  # noqa: N802
+        outcome = _OUTCOME.get(request.status)
+        if outcome is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "settlement status must be FAILED or CANCELLED")
+        try:
+            rel = self.table.settle(request.transfer_id, request.epoch, outcome, request.reason, time.monotonic())
+        except CompletionError as exc:
+            log.warning("settle_refused", transfer_id=request.transfer_id, code=exc.code.name, reason=exc.message)
+            await context.abort(exc.code, exc.message)
+        if rel is not None:
+            self._released_now(rel)
+            self._update_active()
+        return pb.SettleAck()
+
+
+def create_rank(
+    config: DecodeRankConfig,
+    engine: NixlEngine,
+    local: RankRegions,
+    on_release: Callable[[Released], None] | None = None,
+) -> DecodeRank:
+    """Registers the rank's regions with NIXL and starts its server."""
+    engine.register([(r.base_addr, r.num_blocks * r.block_stride) for r in local.regions])
+    return DecodeRank(config, engine, local, on_release).start()

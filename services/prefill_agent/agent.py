@@ -1,0 +1,336 @@
+"""Prefill agent: one per prefill worker rank.
+
+Serves ``PrefillAgent.Reservations`` (one stream per decode engine) on a gRPC aio server running
+on its own loop thread, feeds the push writer, and delivers the writer's per-rank completions to
+the decode ranks. The host (vLLM's worker, or a test process) calls :meth:`prefill_done` when a
+transfer's KV is computed and collects :meth:`take_released` to free its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.common.aio_thread import LoopThread
+from services.common.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS, add_health_and_reflection
+from services.common.layout import ModelShape, RankRegions, new_incarnation
+from services.common.logs import get_logger
+from services.common.nixl_engine import NixlEngine
+from services.common.tp import TopologyError, head_slices
+from services.prefill_agent.table import PrefillDone, ReleaseBlocks, Reservation, TransferTable
+from services.prefill_agent.writer import CompletionReport, PeerSession, PushWriter
+
+log = get_logger("prefill.agent")
+
+COMPLETION_ATTEMPTS = 3
+COMPLETION_TIMEOUT_S = 5.0
+
+
+@dataclass
+class PrefillAgentConfig:
+    engine_id: str
+    rank: int
+    tp_size: int
+    shape: ModelShape
+    host: str = "127.0.0.1"
+    port: int = 0
+    auth_token: str = ""
+    prefill_lease_s: float = 30.0
+    default_reservation_lease_s: float = 30.0
+    hello_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class _Close:
+    reason: str
+
+
+class PrefillAgent(pb_grpc.PrefillAgentServicer):
+    def __init__(
+        self,
+        config: PrefillAgentConfig,
+        engine: NixlEngine,
+        local: RankRegions,
+        incarnation: str | None = None,
+        on_release: Callable[[ReleaseBlocks], None] | None = None,
+    ) -> None:
+        self.config = config
+        self.identity = pb.EngineIdentity(
+            engine_id=config.engine_id,
+            incarnation=incarnation or new_incarnation(),
+            compatibility_hash=config.shape.compatibility_hash(),
+            role=pb.ROLE_PREFILL,
+            tp_size=config.tp_size,
+        )
+        self._on_release = on_release
+        self._released: list[ReleaseBlocks] = []
+        self._released_cv = threading.Condition()
+        self._draining = False
+        self._loop = LoopThread(f"kvpush-prefill-{config.rank}")
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._server: grpc.aio.Server | None = None
+        self.port = 0
+        self.writer = PushWriter(
+            rank=config.rank,
+            tp_size=config.tp_size,
+            identity=self.identity,
+            engine=engine,
+            local=local,
+            deliver=self._deliver,
+            release=self._release,
+            table=TransferTable(prefill_lease_s=config.prefill_lease_s),
+        )
+
+    # ----- lifecycle ----------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> PrefillAgent:
+        self.writer.start()
+        self._loop.start()
+        self._loop.run(self._start_server())
+        log.info("prefill_agent_started", endpoint=self.endpoint, incarnation=self.identity.incarnation)
+        return self
+
+    async def _start_server(self) -> None:
+        self._server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_PrefillAgentServicer_to_server(self, self._server)
+        add_health_and_reflection(self._server, ["PrefillAgent"])
+        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self._server.start()
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        if self._server is not None:
+            self._loop.run(self._stop_server(grace_s), timeout=grace_s + 5)
+        self._loop.stop()
+        self.writer.stop()
+
+    async def _stop_server(self, grace_s: float) -> None:
+        assert self._server is not None
+        await self._server.stop(grace_s)
+        for ch in self._channels.values():
+            await ch.close()
+
+    def drain(self, reason: str = "draining") -> None:
+        """Refuses new streams; tells connected decode engines to send no new reservations."""
+        self._draining = True
+        self.writer.call(lambda: [s.send(pb.PrefillMessage(drain=pb.Drain(reason=reason))) for s in self._sessions()])
+
+    def _sessions(self) -> list[PeerSession]:
+        return list(self.writer._sessions.values())
+
+    # ----- host-facing API (thread-safe, non-blocking) -----------------------------------
+
+    def prefill_done(
+        self,
+        transfer_id: str,
+        request_id: str,
+        block_ids: list[list[int]] | tuple[tuple[int, ...], ...],
+        num_tokens: int,
+    ) -> None:
+        self.writer.prefill_done(
+            PrefillDone(transfer_id, request_id, tuple(tuple(int(b) for b in g) for g in block_ids), num_tokens)
+        )
+
+    def take_released(self, timeout_s: float = 0.0) -> list[ReleaseBlocks]:
+        """Drains the released transfers, waiting up to ``timeout_s`` for at least one."""
+        with self._released_cv:
+            if not self._released and timeout_s > 0:
+                self._released_cv.wait(timeout_s)
+            out, self._released = self._released, []
+        return out
+
+    def _release(self, rel: ReleaseBlocks) -> None:
+        log.info("prefill_blocks_released", transfer_id=rel.transfer_id, request_id=rel.request_id, reason=rel.reason)
+        if self._on_release is not None:
+            self._on_release(rel)
+        else:
+            with self._released_cv:
+                self._released.append(rel)
+                self._released_cv.notify_all()
+
+    # ----- completions --------------------------------------------------------------------
+
+    def _deliver(self, report: CompletionReport) -> None:
+        self._loop.submit(self._send_completion(report))
+
+    async def _send_completion(self, report: CompletionReport) -> None:
+        c = report.completion
+        ch = self._channels.get(report.endpoint)
+        if ch is None:
+            ch = self._channels[report.endpoint] = grpc.aio.insecure_channel(report.endpoint, options=CHANNEL_OPTIONS)
+        stub = pb_grpc.DecodeRankStub(ch)
+        for attempt in range(1, COMPLETION_ATTEMPTS + 1):
+            try:
+                await stub.Complete(c, timeout=COMPLETION_TIMEOUT_S)
+                return
+            except grpc.aio.AioRpcError as exc:
+                retryable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                log.warning(
+                    "completion_send_failed",
+                    transfer_id=c.transfer_id,
+                    epoch=c.epoch,
+                    decode_rank=c.decode_rank,
+                    code=exc.code().name,
+                    detail=exc.details(),
+                    attempt=attempt,
+                )
+                if not retryable:
+                    return
+                await asyncio.sleep(0.05 * attempt)
+
+    # ----- the reservations stream -------------------------------------------------------
+
+    def _check_hello(self, hello: pb.Hello) -> tuple[grpc.StatusCode, str] | None:
+        cfg, me = self.config, self.identity
+        d = hello.decode
+        if cfg.auth_token and hello.auth_token != cfg.auth_token:
+            return grpc.StatusCode.UNAUTHENTICATED, "bad or missing auth token"
+        if self._draining:
+            return grpc.StatusCode.UNAVAILABLE, "prefill agent is draining"
+        if d.role != pb.ROLE_DECODE or not d.engine_id or not d.incarnation or d.tp_size == 0:
+            return grpc.StatusCode.INVALID_ARGUMENT, "hello needs a decode engine id, incarnation and TP size"
+        if hello.expected_prefill_engine_id and hello.expected_prefill_engine_id != me.engine_id:
+            return grpc.StatusCode.FAILED_PRECONDITION, (
+                f"this is prefill engine {me.engine_id!r}, not {hello.expected_prefill_engine_id!r}"
+            )
+        if hello.expected_prefill_incarnation and hello.expected_prefill_incarnation != me.incarnation:
+            return grpc.StatusCode.FAILED_PRECONDITION, (
+                f"prefill incarnation changed: expected {hello.expected_prefill_incarnation}, now {me.incarnation}"
+            )
+        if d.compatibility_hash != me.compatibility_hash:
+            return grpc.StatusCode.FAILED_PRECONDITION, (
+                f"incompatible KV layout: hash {d.compatibility_hash!r} != {me.compatibility_hash!r}"
+            )
+        if [r.tp_rank for r in hello.decode_ranks] != list(range(d.tp_size)):
+            return grpc.StatusCode.INVALID_ARGUMENT, f"hello must carry decode ranks 0..{d.tp_size - 1} in order"
+        shape = cfg.shape
+        for r in hello.decode_ranks:
+            heads = shape.total_kv_heads // d.tp_size if shape.total_kv_heads % d.tp_size == 0 else 0
+            if (
+                r.layout != shape.layout
+                or r.tokens_per_block != shape.tokens_per_block
+                or r.total_kv_heads != shape.total_kv_heads
+                or r.dtype != shape.dtype
+                or len(r.regions) != shape.num_layers
+                or heads == 0
+                or r.block_bytes != heads * shape.head_bytes
+            ):
+                return grpc.StatusCode.FAILED_PRECONDITION, f"layout mismatch on decode rank {r.tp_rank}"
+            if not r.nixl_agent_metadata or not r.completion_endpoint:
+                return grpc.StatusCode.INVALID_ARGUMENT, f"decode rank {r.tp_rank} lacks NIXL metadata or endpoint"
+        try:
+            head_slices(shape.total_kv_heads, cfg.tp_size, d.tp_size)
+        except TopologyError as exc:
+            return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+        return None
+
+    async def Reservations(  # noqa: N802 - gRPC method name
+        self, request_iterator: AsyncIterator[pb.DecodeMessage], context: grpc.aio.ServicerContext
+    ) -> None:
+        try:
+            first = await asyncio.wait_for(anext(request_iterator), self.config.hello_timeout_s)
+        except (StopAsyncIteration, TimeoutError):
+            return
+        if first.WhichOneof("body") != "hello":
+            log.warning("stream_refused", reason="first message is not a Hello")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
+        hello = first.hello
+        problem = self._check_hello(hello)
+        if problem is not None:
+            log.warning("stream_refused", decode_engine=hello.decode.engine_id, code=problem[0].name, reason=problem[1])
+            await context.abort(*problem)
+        loop = asyncio.get_running_loop()
+        outbox: asyncio.Queue[pb.PrefillMessage | _Close] = asyncio.Queue()
+        key = f"{hello.decode.engine_id}/{hello.decode.incarnation}"
+        session = PeerSession(
+            key=key,
+            identity=hello.decode,
+            layouts=list(hello.decode_ranks),
+            send=lambda msg: loop.call_soon_threadsafe(outbox.put_nowait, msg),
+            close=lambda reason: loop.call_soon_threadsafe(outbox.put_nowait, _Close(reason)),
+        )
+        try:
+            await asyncio.wrap_future(self.writer.connect(session))
+        except Exception as exc:
+            log.warning("stream_refused", decode_engine=hello.decode.engine_id, reason=str(exc))
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        await context.write(
+            pb.PrefillMessage(hello_ack=pb.HelloAck(prefill=self.identity, prefill_rank=self.config.rank))
+        )
+        reader = asyncio.create_task(self._read(request_iterator, session))
+        getter: asyncio.Task[pb.PrefillMessage | _Close] | None = None
+        try:
+            while True:
+                getter = asyncio.create_task(outbox.get())
+                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    return
+                msg = getter.result()
+                if isinstance(msg, _Close):
+                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg.reason)
+                await context.write(msg)
+        finally:
+            if getter is not None:
+                getter.cancel()
+            reader.cancel()
+            self.writer.disconnect(key)
+
+    async def _read(self, request_iterator: AsyncIterator[pb.DecodeMessage], session: PeerSession) -> None:
+        try:
+            async for msg in request_iterator:
+                kind = msg.WhichOneof("body")
+                if kind == "reservation":
+                    self._on_reservation(msg.reservation, session)
+                elif kind == "cancel":
+                    self.writer.cancel(session.key, msg.cancel.transfer_id, msg.cancel.epoch)
+                elif kind == "drain":
+                    log.info("peer_draining", peer=session.key, reason=msg.drain.reason)
+                else:
+                    log.warning("unexpected_message", peer=session.key, kind=kind)
+        except grpc.aio.AioRpcError as exc:
+            log.info("stream_ended", peer=session.key, code=exc.code().name)
+        except asyncio.CancelledError:
+            pass
+
+    def _on_reservation(self, r: pb.Reservation, session: PeerSession) -> None:
+        problem = None
+        if not r.transfer_id:
+            problem = "reservation without transfer_id"
+        elif r.epoch == 0:
+            problem = "reservation epoch must be positive"
+        elif r.num_tokens == 0 or not r.block_ids:
+            problem = "reservation needs num_tokens and block ids"
+        if problem is not None:
+            log.warning("reservation_rejected", transfer_id=r.transfer_id, code="INVALID_ARGUMENT", reason=problem)
+            session.send(
+                pb.PrefillMessage(
+                    rejected=pb.ReservationRejected(
+                        transfer_id=r.transfer_id,
+                        epoch=r.epoch,
+                        code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
+                        message=problem,
+                    )
+                )
+            )
+            return
+        lease_s = r.lease_ms / 1e3 if r.lease_ms else self.config.default_reservation_lease_s
+        self.writer.reserve(
+            Reservation(
+                peer=session.key,
+                transfer_id=r.transfer_id,
+                epoch=r.epoch,
+                block_ids=tuple(tuple(g.ids) for g in r.block_ids),
+                num_tokens=r.num_tokens,
+                num_skip_blocks=r.num_skip_blocks,
+                lease_s=lease_s,
+            )
+        )

@@ -1,0 +1,420 @@
+"""The push writer: one background thread per prefill rank.
+
+It owns the rank's NIXL engine and its ``TransferTable``. Every event (peer connected or lost,
+reservation, prefill done, cancel) arrives on its inbox; callers never wait on it. For a matched
+transfer it plans the descriptors per destination decode rank, posts the WRITEs, polls them to
+completion and hands the per-rank completions to the agent's sender. A NIXL exception fails the
+transfers it touches, never the thread.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvpush.v1 import kvpush_pb2 as pb
+from services.common.layout import RankRegions, regions_of
+from services.common.logs import get_logger
+from services.common.nixl_engine import NixlEngine, NixlError
+from services.common.tp import HeadSlice, slices_from_prefill_rank
+from services.prefill_agent import metrics
+from services.prefill_agent.plan import PlanError, WritePlan, check_block_ids, plan_writes
+from services.prefill_agent.table import (
+    AckCancel,
+    Action,
+    PrefillDone,
+    Reject,
+    ReleaseBlocks,
+    Reservation,
+    StartWrite,
+    TransferTable,
+)
+
+log = get_logger("prefill.writer")
+
+
+@dataclass
+class PeerSession:
+    """One decode engine connected over one reservations stream."""
+
+    key: str
+    identity: pb.EngineIdentity
+    layouts: list[pb.RankLayout]
+    send: Callable[[pb.PrefillMessage], None]  # thread-safe: queues onto the stream
+    close: Callable[[str], None]  # ends the stream with FAILED_PRECONDITION and a reason
+    slices: list[HeadSlice] = field(default_factory=list)
+    regions: dict[int, RankRegions] = field(default_factory=dict)
+    nixl_names: dict[int, str] = field(default_factory=dict)
+
+
+# ----- inbox events ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Connect:
+    session: PeerSession
+    result: Future[None]
+
+
+@dataclass(frozen=True)
+class _Disconnect:
+    key: str
+
+
+@dataclass(frozen=True)
+class _Reserve:
+    reservation: Reservation
+
+
+@dataclass(frozen=True)
+class _Done:
+    done: PrefillDone
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    peer: str
+    transfer_id: str
+    epoch: int
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], Any]
+    result: Future[Any]
+
+
+_STOP = object()
+
+
+@dataclass(frozen=True)
+class CompletionReport:
+    """What the writer asks the agent to deliver to one decode rank."""
+
+    endpoint: str
+    completion: pb.Completion
+
+
+class PushWriter:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        tp_size: int,
+        identity: pb.EngineIdentity,
+        engine: NixlEngine,
+        local: RankRegions,
+        deliver: Callable[[CompletionReport], None],
+        release: Callable[[ReleaseBlocks], None],
+        table: TransferTable | None = None,
+        write_timeout_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rank = rank
+        self.tp_size = tp_size
+        self.identity = identity
+        self.engine = engine
+        self.local = local
+        self.deliver = deliver
+        self.release = release
+        self.table = table or TransferTable()
+        self.write_timeout_s = write_timeout_s
+        self.clock = clock
+        self._sessions: dict[str, PeerSession] = {}
+        self._first_seen: dict[str, float] = {}
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=f"kvpush-writer-{rank}", daemon=True)
+
+    # ----- thread-safe API ----------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._inbox.put(_STOP)
+        self._thread.join(timeout)
+
+    def connect(self, session: PeerSession) -> Future[None]:
+        fut: Future[None] = Future()
+        self._inbox.put(_Connect(session, fut))
+        return fut
+
+    def disconnect(self, key: str) -> None:
+        self._inbox.put(_Disconnect(key))
+
+    def reserve(self, reservation: Reservation) -> None:
+        self._inbox.put(_Reserve(reservation))
+
+    def prefill_done(self, done: PrefillDone) -> None:
+        """Called from the engine loop when the transfer's KV is computed; never blocks."""
+        self._inbox.put(_Done(done))
+
+    def cancel(self, peer: str, transfer_id: str, epoch: int) -> None:
+        self._inbox.put(_Cancel(peer, transfer_id, epoch))
+
+    def call(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Runs ``fn`` on the writer thread (for inspection in tests and benchmarks)."""
+        fut: Future[Any] = Future()
+        self._inbox.put(_Call(fn, fut))
+        return fut
+
+    # ----- the thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            deadline = self.table.next_deadline()
+            timeout = None if deadline is None else max(0.0, min(deadline - self.clock(), 1.0))
+            try:
+                event = self._inbox.get(timeout=timeout)
+            except queue.Empty:
+                event = None
+            if event is _STOP:
+                return
+            try:
+                if event is not None:
+                    self._handle(event)
+                self._execute(self.table.expire(self.clock()))
+            except Exception:  # the writer must outlive any bug in one event
+                log.exception("writer_event_failed", event_type=type(event).__name__)
+
+    def _handle(self, event: object) -> None:
+        now = self.clock()
+        if isinstance(event, _Reserve):
+            res = event.reservation
+            self._first_seen.setdefault(res.transfer_id, now)
+            problem = self._validate(res)
+            if problem is not None:
+                self._execute([Reject(res.peer, res.transfer_id, res.epoch, grpc.StatusCode.INVALID_ARGUMENT, problem)])
+                return
+            self._execute(self.table.on_reservation(res, now))
+        elif isinstance(event, _Done):
+            self._first_seen.setdefault(event.done.transfer_id, now)
+            self._execute(self.table.on_prefill_done(event.done, now))
+        elif isinstance(event, _Cancel):
+            log.info("cancel_received", transfer_id=event.transfer_id, epoch=event.epoch)
+            self._execute(self.table.on_cancel(event.peer, event.transfer_id, event.epoch, now))
+        elif isinstance(event, _Connect):
+            try:
+                self._connect(event.session)
+                event.result.set_result(None)
+            except Exception as exc:
+                event.result.set_exception(exc)
+        elif isinstance(event, _Disconnect):
+            self._disconnect(event.key)
+        elif isinstance(event, _Call):
+            try:
+                event.result.set_result(event.fn())
+            except Exception as exc:
+                event.result.set_exception(exc)
+
+    def _validate(self, res: Reservation) -> str | None:
+        session = self._sessions.get(res.peer)
+        if session is None:
+            return f"no session for peer {res.peer}"
+        for s in session.slices:
+            dst = session.regions[s.decode_rank]
+            try:
+                for g, ids in enumerate(res.block_ids):
+                    check_block_ids(ids, dst.regions, g, f"decode rank {s.decode_rank}")
+            except PlanError as exc:
+                return str(exc)
+        return None
+
+    # ----- peers --------------------------------------------------------------------------
+
+    def _connect(self, session: PeerSession) -> None:
+        ident = session.identity
+        for key, old in list(self._sessions.items()):
+            if old.identity.engine_id == ident.engine_id:
+                reason = (
+                    "superseded by a new incarnation"
+                    if old.identity.incarnation != ident.incarnation
+                    else "superseded by a new stream"
+                )
+                log.info("peer_superseded", peer=key, new_peer=session.key, reason=reason)
+                self._disconnect(key)
+                old.close(reason)
+        session.slices = slices_from_prefill_rank(
+            session.layouts[0].total_kv_heads, self.tp_size, ident.tp_size, self.rank
+        )
+        for s in session.slices:
+            layout = session.layouts[s.decode_rank]
+            session.regions[s.decode_rank] = regions_of(layout, ident.tp_size)
+            try:
+                session.nixl_names[s.decode_rank] = self.engine.add_peer(layout.nixl_agent_metadata)
+            except Exception as exc:
+                for name in session.nixl_names.values():
+                    self._remove_nixl_peer(name)
+                raise NixlError(f"cannot load NIXL metadata of decode rank {s.decode_rank}: {exc}") from exc
+        self._sessions[session.key] = session
+        metrics.PEERS.set(len(self._sessions))
+        log.info("peer_connected", peer=session.key, decode_ranks=[s.decode_rank for s in session.slices])
+
+    def _disconnect(self, key: str) -> None:
+        session = self._sessions.pop(key, None)
+        if session is None:
+            return
+        self._execute(self.table.on_peer_lost(key, self.clock()))
+        for name in session.nixl_names.values():
+            self._remove_nixl_peer(name)
+        metrics.PEERS.set(len(self._sessions))
+        log.info("peer_lost", peer=key)
+
+    def _remove_nixl_peer(self, name: str) -> None:
+        try:
+            self.engine.remove_peer(name)
+        except NixlError as exc:
+            log.warning("nixl_remove_peer_failed", nixl_peer=name, error=str(exc))
+
+    # ----- actions ------------------------------------------------------------------------
+
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, StartWrite):
+                self._write(action)
+            elif isinstance(action, Reject):
+                metrics.REJECTED.labels(code=action.code.name).inc()
+                log.warning(
+                    "reservation_rejected",
+                    transfer_id=action.transfer_id,
+                    epoch=action.epoch,
+                    code=action.code.name,
+                    reason=action.message,
+                )
+                self._send(
+                    action.peer,
+                    pb.PrefillMessage(
+                        rejected=pb.ReservationRejected(
+                            transfer_id=action.transfer_id,
+                            epoch=action.epoch,
+                            code=action.code.value[0],
+                            message=action.message,
+                        )
+                    ),
+                )
+            elif isinstance(action, AckCancel):
+                self._send(
+                    action.peer,
+                    pb.PrefillMessage(
+                        cancel_ack=pb.CancelAck(
+                            transfer_id=action.transfer_id, epoch=action.epoch, data_written=action.data_written
+                        )
+                    ),
+                )
+            elif isinstance(action, ReleaseBlocks):
+                self._first_seen.pop(action.transfer_id, None)
+                self.release(action)
+
+    def _send(self, peer: str, msg: pb.PrefillMessage) -> None:
+        session = self._sessions.get(peer)
+        if session is not None:
+            session.send(msg)
+
+    def _write(self, action: StartWrite) -> None:
+        res = action.reservation
+        tid = res.transfer_id
+        first = self._first_seen.get(tid)
+        if first is not None:
+            metrics.MATCH_WAIT_SECONDS.observe(self.clock() - first)
+        session = self._sessions.get(res.peer)
+        started = self.clock()
+        results: dict[int, tuple[bool, str, WritePlan | None]] = {}
+        if session is None:
+            reason = "decode stream lost before the write"
+            log.warning("write_skipped", transfer_id=tid, reason=reason)
+            self._execute(self.table.on_write_finished(tid, res.epoch, False, reason, self.clock()))
+            return
+        plans: list[WritePlan] = []
+        for s in session.slices:
+            try:
+                plans.append(
+                    plan_writes(self.local, session.regions[s.decode_rank], action.src_block_ids, res.block_ids, s)
+                )
+            except PlanError as exc:
+                results[s.decode_rank] = (False, f"plan: {exc}", None)
+        in_flight: list[tuple[WritePlan, Any]] = []
+        for plan in plans:
+            if plan.num_descriptors == 0:
+                results[plan.decode_rank] = (True, "", plan)
+                continue
+            try:
+                handle, state = self.engine.post_write(plan.local, plan.remote, session.nixl_names[plan.decode_rank])
+            except NixlError as exc:
+                results[plan.decode_rank] = (False, str(exc), plan)
+                continue
+            if state == "DONE":
+                self.engine.release(handle)
+                results[plan.decode_rank] = (True, "", plan)
+            else:
+                in_flight.append((plan, handle))
+        deadline = started + self.write_timeout_s
+        while in_flight:
+            still: list[tuple[WritePlan, Any]] = []
+            for plan, handle in in_flight:
+                try:
+                    state = self.engine.check(handle)
+                except NixlError as exc:
+                    self.engine.release(handle)
+                    results[plan.decode_rank] = (False, str(exc), plan)
+                    continue
+                if state == "DONE":
+                    self.engine.release(handle)
+                    results[plan.decode_rank] = (True, "", plan)
+                elif state == "PROC" and self.clock() < deadline:
+                    still.append((plan, handle))
+                else:
+                    self.engine.release(handle)
+                    results[plan.decode_rank] = (False, f"WRITE ended in state {state}", plan)
+            in_flight = still
+            if in_flight:
+                time.sleep(50e-6)
+        elapsed = self.clock() - started
+        ok = all(r[0] for r in results.values())
+        total_bytes = sum(p.num_bytes for _, _, p in results.values() if p is not None)
+        total_desc = sum(p.num_descriptors for _, _, p in results.values() if p is not None)
+        metrics.WRITES.labels(outcome="ok" if ok else "failed").inc()
+        metrics.WRITE_SECONDS.observe(elapsed)
+        metrics.DESCRIPTORS.observe(total_desc)
+        if ok:
+            metrics.BYTES.inc(total_bytes)
+        for decode_rank, (rank_ok, reason, plan) in sorted(results.items()):
+            self.deliver(
+                CompletionReport(
+                    endpoint=session.layouts[decode_rank].completion_endpoint,
+                    completion=pb.Completion(
+                        transfer_id=tid,
+                        epoch=res.epoch,
+                        prefill_rank=self.rank,
+                        decode_rank=decode_rank,
+                        status=pb.TRANSFER_STATUS_OK if rank_ok else pb.TRANSFER_STATUS_FAILED,
+                        reason=reason,
+                        prefill=self.identity,
+                        bytes_written=plan.num_bytes if plan is not None else 0,
+                        descriptors=plan.num_descriptors if plan is not None else 0,
+                        write_seconds=elapsed,
+                    ),
+                )
+            )
+        reason = "; ".join(f"decode rank {d}: {r[1]}" for d, r in sorted(results.items()) if not r[0])
+        log.info(
+            "write_finished",
+            transfer_id=tid,
+            epoch=res.epoch,
+            ok=ok,
+            bytes=total_bytes,
+            descriptors=total_desc,
+            write_ms=round(elapsed * 1e3, 3),
+            reason=reason or None,
+        )
+        if not ok:
+            # Tell the decode agent at once so it fences the other prefill ranks now, instead of
+            # its rank barriers waiting for every rank to report.
+            self._execute([Reject(res.peer, tid, res.epoch, grpc.StatusCode.ABORTED, f"WRITE failed: {reason}")])
+        self._execute(self.table.on_write_finished(tid, res.epoch, ok, reason, self.clock()))

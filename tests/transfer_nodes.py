@@ -1,0 +1,305 @@
+"""Separate-process decode and prefill nodes for the transfer-core tests (no vLLM).
+
+Each node registers numpy KV pools with real NIXL, runs the real agents and gRPC servers, and is
+driven by the test over a multiprocessing pipe. Prefill pools hold a deterministic pattern per
+(layer, block, global head); decode verifies written blocks against it byte for byte.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+
+NUM_LAYERS = 2
+TOTAL_HEADS = 4
+HEAD_BYTES = 256  # one head of one block (K and V for all tokens of the block)
+TOKENS_PER_BLOCK = 16
+
+
+def shape() -> Any:
+    from services.common.layout import ModelShape
+
+    return ModelShape(
+        model="pattern-test",
+        dtype="uint8",
+        num_layers=NUM_LAYERS,
+        total_kv_heads=TOTAL_HEADS,
+        head_bytes=HEAD_BYTES,
+        tokens_per_block=TOKENS_PER_BLOCK,
+    )
+
+
+def pattern(layer: int, blocks: np.ndarray, global_heads: np.ndarray) -> np.ndarray:
+    """Bytes of the given blocks x heads: shape (len(blocks), len(heads) * HEAD_BYTES)."""
+    b = blocks.astype(np.uint64)[:, None, None]
+    h = global_heads.astype(np.uint64)[None, :, None]
+    i = np.arange(HEAD_BYTES, dtype=np.uint64)[None, None, :]
+    v = np.uint64(layer * 1_000_003) + b * np.uint64(7919) + h * np.uint64(104_729) + i * np.uint64(31)
+    v = (v ^ (v >> np.uint64(7))) & np.uint64(0xFF)
+    return v.astype(np.uint8).reshape(len(blocks), -1)
+
+
+@dataclass
+class Pool:
+    """KV pool of one rank: [layers, blocks, heads_on_rank * HEAD_BYTES]."""
+
+    array: np.ndarray
+    heads: int
+
+    @classmethod
+    def create(cls, num_blocks: int, heads: int) -> Pool:
+        arr = np.zeros((NUM_LAYERS, num_blocks, heads * HEAD_BYTES), dtype=np.uint8)
+        arr.fill(0)  # touch every page before NIXL writes into it
+        return cls(arr, heads)
+
+    def regions(self) -> Any:
+        from services.common.layout import RankRegions, Region
+
+        stride = self.array.shape[2]
+        return RankRegions(
+            regions=tuple(
+                Region(self.array[layer].ctypes.data, self.array.shape[1], stride) for layer in range(NUM_LAYERS)
+            ),
+            block_bytes=stride,
+            num_heads=self.heads,
+        )
+
+
+def _env() -> None:
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+
+# ----- prefill node ---------------------------------------------------------------------------
+
+
+def prefill_node(conn: Connection, engine_id: str, rank: int, tp_size: int, num_blocks: int, auth: str) -> None:
+    _env()
+    from services.common.nixl_engine import NixlEngine
+    from services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
+
+    heads = TOTAL_HEADS // tp_size
+    pool = Pool.create(num_blocks, heads)
+    global_heads = np.arange(rank * heads, (rank + 1) * heads)
+    for layer in range(NUM_LAYERS):
+        pool.array[layer] = pattern(layer, np.arange(num_blocks), global_heads)
+    regions = pool.regions()
+    engine = NixlEngine(f"prefill-{engine_id}-{os.getpid()}-r{rank}")
+    engine.register([(r.base_addr, r.num_blocks * r.block_stride) for r in regions.regions])
+    cfg = PrefillAgentConfig(engine_id=engine_id, rank=rank, tp_size=tp_size, shape=shape(), auth_token=auth)
+    agent = PrefillAgent(cfg, engine, regions).start()
+    conn.send({"endpoint": agent.endpoint, "incarnation": agent.identity.incarnation})
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "done":
+            tid, block_ids, num_tokens = args
+            agent.prefill_done(tid, f"req-{tid}", block_ids, num_tokens)
+        elif cmd == "released":
+            (timeout,) = args
+            conn.send([(r.transfer_id, r.reason) for r in agent.take_released(timeout)])
+        elif cmd == "table":
+            conn.send(agent.writer.call(lambda: agent.writer.table.active_count()).result(5))
+        elif cmd == "stop":
+            agent.stop()
+            conn.send("stopped")
+            return
+
+
+# ----- decode node ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Outcomes:
+    """Per transfer: every rank's release, and the agent's settlement if any."""
+
+    tp_size: int
+    cv: threading.Condition = field(default_factory=threading.Condition)
+    rank_releases: dict[str, dict[int, tuple[str, str]]] = field(default_factory=lambda: defaultdict(dict))
+    settled: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    def final(self, tid: str) -> tuple[str, str] | None:
+        ranks = self.rank_releases.get(tid, {})
+        if len(ranks) < self.tp_size:
+            return None
+        bad = [v for v in ranks.values() if v[0] != "ok"]
+        return bad[0] if bad else ("ok", "")
+
+
+def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int, auth: str, grace_s: float) -> None:
+    _env()
+    from services.common.nixl_engine import NixlEngine
+    from services.common.transfer_params import DecodeLeg
+    from services.decode_agent.agent import DecodeAgent, DecodeAgentConfig, Settled
+    from services.decode_agent.barrier import Released
+    from services.decode_agent.rank import DecodeRankConfig, create_rank
+
+    heads = TOTAL_HEADS // tp_size
+    outcomes = _Outcomes(tp_size)
+    agent_box: list[DecodeAgent] = []
+
+    def on_release(rank: int) -> Any:
+        def cb(rel: Released) -> None:
+            with outcomes.cv:
+                outcomes.rank_releases[rel.transfer_id][rank] = (rel.outcome.value, rel.reason)
+                done = outcomes.final(rel.transfer_id)
+                outcomes.cv.notify_all()
+            if done is not None and agent_box:
+                agent_box[0].finished(rel.transfer_id, rel.epoch)
+
+        return cb
+
+    def on_settled(s: Settled) -> None:
+        with outcomes.cv:
+            outcomes.settled[s.transfer_id] = (s.state.value, s.reason)
+            outcomes.cv.notify_all()
+
+    pools = [Pool.create(num_blocks, heads) for _ in range(tp_size)]
+    ranks = []
+    for d, pool in enumerate(pools):
+        engine = NixlEngine(f"decode-{engine_id}-{os.getpid()}-r{d}")
+        cfg = DecodeRankConfig(engine_id=engine_id, rank=d, tp_size=tp_size, shape=shape())
+        ranks.append(create_rank(cfg, engine, pool.regions(), on_release=on_release(d)))
+    agent = DecodeAgent(
+        DecodeAgentConfig(engine_id=engine_id, tp_size=tp_size, shape=shape(), auth_token=auth, grace_s=grace_s),
+        [r.layout() for r in ranks],
+        on_settled=on_settled,
+    ).start()
+    agent_box.append(agent)
+    conn.send({"layouts": [r.layout().SerializeToString() for r in ranks], "incarnation": agent.identity.incarnation})
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "reserve":
+            tid, leg, block_ids, num_tokens, skip = args
+            conn.send(agent.reserve(tid, f"dreq-{tid}", DecodeLeg(**leg), block_ids, num_tokens, skip))
+        elif cmd == "cancel":
+            agent.cancel(args[0], "test cancel")
+            conn.send(None)
+        elif cmd == "wait":
+            tids, timeout = args
+            deadline = time.monotonic() + timeout
+            with outcomes.cv:
+                while True:
+                    result = {t: outcomes.final(t) for t in tids}
+                    if all(v is not None for v in result.values()) or time.monotonic() >= deadline:
+                        break
+                    outcomes.cv.wait(max(0.0, deadline - time.monotonic()))
+                conn.send({"ranks": result, "settled": {t: outcomes.settled.get(t) for t in tids}})
+        elif cmd == "verify":
+            # [(dst_ids, src_ids)] per transfer; returns mismatching (rank, layer, dst block) triples.
+            (pairs,) = args
+            bad = []
+            for d, pool in enumerate(pools):
+                gh = np.arange(d * heads, (d + 1) * heads)
+                for dst_ids, src_ids in pairs:
+                    for layer in range(NUM_LAYERS):
+                        want = pattern(layer, np.asarray(src_ids), gh)
+                        got = pool.array[layer, np.asarray(dst_ids)]
+                        rows = np.flatnonzero((want != got).any(axis=1))
+                        bad.extend((d, layer, int(dst_ids[r])) for r in rows)
+            conn.send(bad)
+        elif cmd == "zero_blocks":
+            # Which of these blocks are still all zero on every rank and layer.
+            (ids,) = args
+            conn.send([b for b in ids if all(not pool.array[:, b].any() for pool in pools)])
+        elif cmd == "clear":
+            for pool in pools:
+                pool.array.fill(0)
+            conn.send(None)
+        elif cmd == "state":
+            st = agent.state(args[0])
+            conn.send(st.value if st else None)
+        elif cmd == "open":
+            conn.send(agent.open_transfers())
+        elif cmd == "stop":
+            agent.stop()
+            for r in ranks:
+                r.stop()
+            conn.send("stopped")
+            return
+
+
+# ----- handles used by the tests --------------------------------------------------------------
+
+
+class Node:
+    def __init__(self, target: Any, *args: Any) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
+        self.proc.start()
+        if not self.conn.poll(60):
+            raise TimeoutError("node did not start within 60 s")
+        self.info: dict[str, Any] = self.conn.recv()
+
+    def call(self, *msg: Any, timeout: float = 30.0) -> Any:
+        self.conn.send(msg)
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"node did not answer {msg[0]!r} within {timeout} s")
+        return self.conn.recv()
+
+    def send(self, *msg: Any) -> None:
+        self.conn.send(msg)
+
+    def stop(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.call("stop", timeout=10)
+            except (TimeoutError, OSError, EOFError):
+                pass
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(5)
+
+
+@dataclass
+class Cluster:
+    decode: Node
+    prefill: list[Node]
+    prefill_engine_id: str
+    tp_decode: int
+
+    def leg(self, tid: str, incarnations: list[str] | None = None) -> dict[str, Any]:
+        return {
+            "transfer_id": tid,
+            "epoch": 1,
+            "prefill_engine_id": self.prefill_engine_id,
+            "prefill_incarnation": "",
+            "prefill_tp_size": len(self.prefill),
+            "prefill_agent_endpoints": [n.info["endpoint"] for n in self.prefill],
+            "prefill_rank_incarnations": incarnations or [n.info["incarnation"] for n in self.prefill],
+        }
+
+    def done_all(self, tid: str, src_ids: list[int], num_tokens: int) -> None:
+        for n in self.prefill:
+            n.send("done", tid, [src_ids], num_tokens)
+
+    def stop(self) -> None:
+        for n in [*self.prefill, self.decode]:
+            n.stop()
+
+
+def start_cluster(
+    prefill_tp: int,
+    decode_tp: int,
+    num_blocks: int = 512,
+    auth: str = "",
+    grace_s: float = 0.5,
+    tag: str = "",
+) -> Cluster:
+    pe = f"prefill{tag}"
+    prefill = [Node(prefill_node, pe, r, prefill_tp, num_blocks, auth) for r in range(prefill_tp)]
+    decode = Node(decode_node, f"decode{tag}", decode_tp, num_blocks, auth, grace_s)
+    return Cluster(decode, prefill, pe, decode_tp)
