@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from google.protobuf import struct_pb2
@@ -28,6 +29,9 @@ _EVENT_TO_PB = {
     EventKind.DRAINING: pb.INSTANCE_EVENT_KIND_DRAINING,
     EventKind.DEREGISTERED: pb.INSTANCE_EVENT_KIND_DEREGISTERED,
 }
+# Fields that appeared in later revisions of the shared schema / params contract.
+_HAS_AGENT_INCARNATIONS = "agent_incarnations" in pb.InstanceInfo.DESCRIPTOR.fields_by_name
+_DECODE_LEG_FIELDS = {f.name for f in dataclasses.fields(transfer_params.DecodeLeg)}
 _OUTCOME_FROM_PB = {
     pb.OUTCOME_OK: Outcome.OK,
     pb.OUTCOME_FAILED: Outcome.FAILED,
@@ -48,11 +52,12 @@ def spec_from_pb(info: pb.InstanceInfo) -> InstanceSpec:
         total_kv_blocks=info.total_kv_blocks,
         tokens_per_block=info.tokens_per_block,
         http_endpoint=info.http_endpoint.rstrip("/"),
+        agent_incarnations=tuple(getattr(info, "agent_incarnations", ())),
     )
 
 
 def spec_to_pb(spec: InstanceSpec) -> pb.InstanceInfo:
-    return pb.InstanceInfo(
+    info = pb.InstanceInfo(
         engine_id=spec.engine_id,
         role=_ROLE_TO_PB[spec.role],
         incarnation=spec.incarnation,
@@ -62,6 +67,9 @@ def spec_to_pb(spec: InstanceSpec) -> pb.InstanceInfo:
         tokens_per_block=spec.tokens_per_block,
         http_endpoint=spec.http_endpoint,
     )
+    if spec.agent_incarnations and _HAS_AGENT_INCARNATIONS:
+        info.agent_incarnations.extend(spec.agent_incarnations)
+    return info
 
 
 def load_from_pb(r: pb.LoadReport) -> Load:
@@ -111,6 +119,9 @@ def leg_params(rec: AssignmentRecord) -> tuple[dict[str, Any], dict[str, Any]]:
     prefill = transfer_params.to_params(
         transfer_params.PrefillLeg(transfer_id=rec.transfer_id, decode_engine_id=rec.decode.engine_id)
     )
+    extra: dict[str, Any] = {}
+    if "prefill_rank_incarnations" in _DECODE_LEG_FIELDS:
+        extra["prefill_rank_incarnations"] = list(rec.prefill.agent_incarnations)
     decode = transfer_params.to_params(
         transfer_params.DecodeLeg(
             transfer_id=rec.transfer_id,
@@ -119,6 +130,7 @@ def leg_params(rec: AssignmentRecord) -> tuple[dict[str, Any], dict[str, Any]]:
             prefill_incarnation=rec.prefill.incarnation,
             prefill_tp_size=rec.prefill.tp_size,
             prefill_agent_endpoints=list(rec.prefill.agent_endpoints),
+            **extra,
         )
     )
     return prefill, decode

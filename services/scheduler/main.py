@@ -105,24 +105,26 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
 async def serve(args: argparse.Namespace) -> None:
     log = logs.get_logger("scheduler")
     server = SchedulerServer(config_from_args(args))
+    loop = asyncio.get_running_loop()
+    stop_requested = asyncio.Event()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if not stop_requested.is_set():
+            log.info("signal_received", signal=sig.name)
+            stop_requested.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
     await server.start()
     if args.metrics_port:
         server.metrics.serve(args.metrics_port, args.metrics_addr)
         log.info("metrics_started", port=args.metrics_port)
-    loop = asyncio.get_running_loop()
-    stopping: list[asyncio.Task[None]] = []
-
-    def on_signal(sig: signal.Signals) -> None:
-        if not stopping:
-            log.info("signal_received", signal=sig.name)
-            stopping.append(loop.create_task(server.stop(args.grace_s)))
-
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, on_signal, sig)
     notifier = sdnotify.SystemdNotifier()
     notifier.notify(f"READY=1\nSTATUS=serving on {server.address}")
-    await server.wait_stopped()
+    log.info("scheduler_ready", address=server.address)
+    await stop_requested.wait()
     notifier.notify("STOPPING=1")
+    await server.stop(args.grace_s)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

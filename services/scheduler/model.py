@@ -45,6 +45,8 @@ class InstanceSpec:
     total_kv_blocks: int
     tokens_per_block: int
     http_endpoint: str
+    # Per TP rank, aligned with agent_endpoints; empty when the instance does not report them.
+    agent_incarnations: tuple[str, ...] = ()
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -60,6 +62,10 @@ class InstanceSpec:
             )
         if any(not e for e in self.agent_endpoints):
             raise ValueError("instance.agent_endpoints must not contain empty entries")
+        if self.agent_incarnations and len(self.agent_incarnations) != self.tp_size:
+            raise ValueError(
+                f"instance.agent_incarnations has {len(self.agent_incarnations)} entries, tp_size is {self.tp_size}"
+            )
         if self.total_kv_blocks < 1:
             raise ValueError("instance.total_kv_blocks must be >= 1")
         if self.tokens_per_block < 1:

@@ -137,13 +137,13 @@ class Registry:
         return inst.reports
 
     def stream_closed(self, engine_id: str, incarnation: str, clean: bool) -> None:
-        """The instance's load stream ended: a clean half-close deregisters it, a broken stream
-        declares it dead. Either way its open assignments fail now, not at lease expiry."""
+        """The instance's load stream ended: after a draining report (a goodbye) it deregisters,
+        otherwise it is declared dead. Either way its open assignments fail now, not at lease expiry."""
         inst = self.instances.get(engine_id)
         if inst is None or inst.spec.incarnation != incarnation:
             return
         if clean:
-            self._remove(inst, EventKind.DEREGISTERED, "load stream closed by the instance")
+            self._remove(inst, EventKind.DEREGISTERED, "load stream closed after draining")
         else:
             self._remove(inst, EventKind.DEAD, "load stream lost")
 

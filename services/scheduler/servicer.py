@@ -214,6 +214,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> AsyncIterator[pb.LoadAck]:
         ident: tuple[str, str] | None = None
         clean = False
+        draining = False
         try:
             async for report in request_iterator:
                 key = (report.engine_id, report.incarnation)
@@ -229,8 +230,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 except SchedulerError as exc:
                     ident = None  # not ours to close
                     await self._abort(context, exc)
+                draining = report.draining
                 yield pb.LoadAck(sequence=seq)
-            clean = True
+            # A broken or cancelled call can also end the iteration without an error, so only a
+            # half-close after a draining report is a goodbye; any other end means the instance is lost.
+            clean = draining and not context.cancelled()
         finally:
             if ident is not None and not self.shutting_down:
                 self.registry.stream_closed(ident[0], ident[1], clean)

@@ -1,0 +1,136 @@
+"""Helpers for the scheduler tests: an in-process scheduler on an ephemeral port and fake
+instances that register and keep a real load stream. (Collected by pytest, holds no tests.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.scheduler.registry import LeaseConfig
+from services.scheduler.server import SchedulerConfig, SchedulerServer
+from services.scheduler.servicer import ServicerConfig
+
+WAIT_S = 5.0  # bound on every wait for an event in these tests
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, 30))  # type: ignore[arg-type]
+
+
+@contextlib.asynccontextmanager
+async def scheduler(
+    interval_s: float = 0.05, misses: int = 3, settle_s: float = 0.05, policy: str = "p2c", **servicer: Any
+) -> AsyncIterator[tuple[SchedulerServer, pb_grpc.SchedulerStub, grpc.aio.Channel]]:
+    server = SchedulerServer(
+        SchedulerConfig(
+            listen="127.0.0.1:0",
+            lease=LeaseConfig(interval_s=interval_s, misses=misses, settle_s=settle_s),
+            decode_policy=policy,
+            servicer=ServicerConfig(**servicer),
+        )
+    )
+    await server.start()
+    channel = grpc.aio.insecure_channel(server.address)
+    try:
+        yield server, pb_grpc.SchedulerStub(channel), channel
+    finally:
+        await channel.close()
+        await server.stop(1.0)
+
+
+def info(
+    engine_id: str,
+    role: int = pb.ROLE_DECODE,
+    incarnation: str = "inc1",
+    blocks: int = 1000,
+    tp: int = 1,
+    http: str = "",
+) -> pb.InstanceInfo:
+    return pb.InstanceInfo(
+        engine_id=engine_id,
+        role=role,
+        incarnation=incarnation,
+        tp_size=tp,
+        agent_endpoints=[f"127.0.0.1:{7000 + r}" for r in range(tp)],
+        total_kv_blocks=blocks,
+        tokens_per_block=16,
+        http_endpoint=http or f"http://127.0.0.1:1/{engine_id}",
+    )
+
+
+@dataclass
+class FakeInstance:
+    """Registers and keeps a load stream open, reporting ``load`` every ``period_s``."""
+
+    stub: pb_grpc.SchedulerStub
+    info: pb.InstanceInfo
+    period_s: float = 0.02
+    free_blocks: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    reporting: asyncio.Event = field(default_factory=asyncio.Event)
+    acks: int = 0
+    _call: Any = None
+    _task: asyncio.Task[None] | None = None
+    _closed: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def start(self) -> FakeInstance:
+        await self.stub.Register(pb.RegisterRequest(instance=self.info), timeout=WAIT_S)
+        self.reporting.set()
+        self._call = self.stub.ReportLoad(self._reports())
+        self._task = asyncio.create_task(self._read_acks())
+        return self
+
+    def report(self) -> pb.LoadReport:
+        free = self.info.total_kv_blocks if self.free_blocks is None else self.free_blocks
+        return pb.LoadReport(
+            engine_id=self.info.engine_id, incarnation=self.info.incarnation, free_blocks=free, **self.extra
+        )
+
+    async def _reports(self) -> AsyncIterator[pb.LoadReport]:
+        while True:
+            await self.reporting.wait()
+            if self._closed.is_set():
+                # Goodbye: a draining report, then the half-close.
+                self.extra["draining"] = True
+                yield self.report()
+                return
+            yield self.report()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._closed.wait(), self.period_s)
+
+    async def _read_acks(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            async for _ack in self._call:
+                self.acks += 1
+
+    async def close(self) -> None:
+        """Says goodbye: a draining report, then a half-close (deregistration)."""
+        self._closed.set()
+        self.reporting.set()
+        if self._task:
+            await asyncio.wait_for(self._task, WAIT_S)
+
+    def cancel(self) -> None:
+        """Breaks the stream (as a crash would)."""
+        self._call.cancel()
+
+
+async def wait_for(pred: Callable[[], bool], timeout: float = WAIT_S) -> None:
+    """Polls an in-process condition (state the test cannot get an event for) within a bound."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not pred():
+        if loop.time() > end:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.005)
+
+
+async def next_event(stream: Any, timeout: float = WAIT_S) -> pb.InstanceEvent:
+    return await asyncio.wait_for(stream.read(), timeout)
