@@ -175,17 +175,23 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if time_remaining is not None:
             budget = min(time_remaining - self.config.deadline_margin_s, self.config.max_queue_s)
             wait_until = time.monotonic() + budget
+        waited = False
         while True:
             changed = self._changed.current()
             try:
                 return self.registry.assign(demand, transfer_id)
             except NoCapacity as exc:
                 left = (wait_until - time.monotonic()) if wait_until is not None else 0.0
-                if exc.reason == "too_large" or left <= 0:
+                if exc.reason == "too_large":
+                    raise
+                if left <= 0:
+                    if waited:
+                        raise NoCapacity(exc.reason, f"{exc} (queued until the deadline)") from None
                     raise
                 if self._queued >= self.config.max_queued:
                     raise NoCapacity("queue_full", f"{exc}; admission queue is full") from None
                 self._queued += 1
+                waited = True
                 try:
                     await asyncio.wait_for(changed.wait(), left)
                 except TimeoutError:

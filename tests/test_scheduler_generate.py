@@ -1,0 +1,265 @@
+"""Generate against fake vLLM OpenAI-compatible servers (aiohttp.web test doubles) and shutdown
+with a Generate in flight. Real vLLM end-to-end runs live elsewhere."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from test_scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
+
+from kvpush.v1 import kvpush_pb2 as pb
+from services.common import transfer_params
+from services.scheduler.model import State
+
+
+@dataclass
+class FakeVllm:
+    """A fake OpenAI-compatible server: records requests, answers like vLLM with token ids."""
+
+    role: str
+    tokens: list[int] = field(default_factory=lambda: [11, 12, 13, 14])
+    chunk_delay_s: float = 0.0
+    status: int = 200
+    hang: bool = False  # never answer (until the client goes away)
+    gate: asyncio.Event | None = None  # decode waits for it before its last token
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    model_calls: int = 0
+    received: asyncio.Event = field(default_factory=asyncio.Event)
+    disconnected: asyncio.Event = field(default_factory=asyncio.Event)
+    url: str = ""
+    _runner: web.AppRunner | None = None
+
+    async def start(self) -> FakeVllm:
+        app = web.Application()
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/completions", self._completions)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def stop(self) -> None:
+        if self._runner:
+            await self._runner.cleanup()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.model_calls += 1
+        return web.json_response({"object": "list", "data": [{"id": f"fake-model-{self.role}"}]})
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append(body)
+        self.received.set()
+        try:
+            if self.hang:
+                await asyncio.Event().wait()
+            if self.status != 200:
+                return web.Response(status=self.status, text=f"{self.role} exploded: out of cheese")
+            # Both legs must carry our kv_transfer_params, and of the right role.
+            leg = transfer_params.parse(body["kv_transfer_params"])
+            expected = transfer_params.DecodeLeg if self.role == "decode" else transfer_params.PrefillLeg
+            if not isinstance(leg, expected):
+                return web.Response(status=400, text=f"bad kv_transfer_params: {body['kv_transfer_params']}")
+            if not body["stream"]:
+                return web.json_response(
+                    {"choices": [{"index": 0, "text": "x", "token_ids": [self.tokens[0]], "finish_reason": "length"}]}
+                )
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            n = min(len(self.tokens), body["max_tokens"])
+            for i, tok in enumerate(self.tokens[:n]):
+                if self.gate is not None and i == n - 1:
+                    await self.gate.wait()
+                finish = "length" if i == n - 1 else None
+                chunk = {"choices": [{"index": 0, "text": "t", "token_ids": [tok], "finish_reason": finish}]}
+                await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                if self.chunk_delay_s:
+                    await asyncio.sleep(self.chunk_delay_s)
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnected.set()
+            raise
+
+
+@contextlib.asynccontextmanager
+async def cluster(
+    prefill: FakeVllm | None = None, decode: FakeVllm | None = None, **kw: Any
+) -> AsyncIterator[tuple[Any, Any, FakeVllm, FakeVllm, list[FakeInstance]]]:
+    p = await (prefill or FakeVllm("prefill")).start()
+    d = await (decode or FakeVllm("decode")).start()
+    try:
+        async with scheduler(**kw) as (server, stub, channel):
+            insts = [
+                await FakeInstance(stub, info("p0", pb.ROLE_PREFILL, http=p.url)).start(),
+                await FakeInstance(stub, info("d0", http=d.url)).start(),
+            ]
+            yield server, stub, p, d, insts
+            for i in insts:
+                with contextlib.suppress(Exception):
+                    await i.close()
+    finally:
+        await p.stop()
+        await d.stop()
+
+
+def _req(**kw: Any) -> pb.GenerateRequest:
+    base: dict[str, Any] = {"prompt_token_ids": [1, 2, 3], "max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
+    base.update(kw)
+    return pb.GenerateRequest(**base)
+
+
+def test_generate_streams_tokens_and_releases_ok() -> None:
+    async def body() -> None:
+        async with cluster(interval_s=1.0) as (server, stub, p, d, _):
+            msgs = [m async for m in stub.Generate(_req(seed=7, request_id="r1"), timeout=WAIT_S)]
+            assert [list(m.token_ids) for m in msgs] == [[11], [12], [13], [14]]
+            assert msgs[0].ttft_seconds > 0 and all(m.ttft_seconds == 0 for m in msgs[1:])
+            assert msgs[-1].finished and msgs[-1].finish_reason == "length"
+            assert not any(m.finished for m in msgs[:-1])
+            assert {(m.decode_engine_id, m.prefill_engine_id) for m in msgs} == {("d0", "p0")}
+            (pre,) = p.requests
+            (dec,) = d.requests
+            assert pre["max_tokens"] == 1 and pre["stream"] is False and pre["model"] == "fake-model-prefill"
+            assert dec["max_tokens"] == 4 and dec["stream"] is True and dec["model"] == "fake-model-decode"
+            for b in (pre, dec):
+                assert b["prompt"] == [1, 2, 3] and b["return_token_ids"] is True and b["ignore_eos"] is True
+                assert b["seed"] == 7 and b["temperature"] == 0.0
+            dleg = transfer_params.parse(dec["kv_transfer_params"])
+            pleg = transfer_params.parse(pre["kv_transfer_params"])
+            assert isinstance(dleg, transfer_params.DecodeLeg) and isinstance(pleg, transfer_params.PrefillLeg)
+            assert dleg.transfer_id == pleg.transfer_id == msgs[0].transfer_id
+            assert dleg.prefill_engine_id == "p0" and pleg.decode_engine_id == "d0"
+            rec = server.registry.closed[msgs[0].transfer_id]
+            assert rec.state is State.OK and rec.epoch == dleg.epoch
+            # Second call: no seed sent when unset, model names cached.
+            _ = [m async for m in stub.Generate(_req(), timeout=WAIT_S)]
+            assert "seed" not in d.requests[1] and d.model_calls == 1 and p.model_calls == 1
+            assert not server.registry.open
+            sample = server.metrics.registry.get_sample_value
+            assert sample("kvpush_scheduler_generate_total", {"result": "ok"}) == 2
+            assert sample("kvpush_scheduler_generate_ttft_seconds_count") == 2
+
+    run(body())
+
+
+@pytest.mark.parametrize(
+    ("failing", "status", "code"),
+    [
+        ("prefill", 500, grpc.StatusCode.INTERNAL),
+        ("decode", 503, grpc.StatusCode.UNAVAILABLE),
+    ],
+)
+def test_generate_http_error_fails_and_aborts_other_leg(failing: str, status: int, code: grpc.StatusCode) -> None:
+    async def body() -> None:
+        # The healthy leg hangs, so the failure must abort it.
+        bad = FakeVllm(failing, status=status)
+        good = FakeVllm("decode" if failing == "prefill" else "prefill", hang=True)
+        legs = {"prefill": bad, "decode": good} if failing == "prefill" else {"prefill": good, "decode": bad}
+        async with cluster(**legs, interval_s=1.0) as (server, stub, _p, _d, _):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Generate(_req(), timeout=WAIT_S):
+                    pass
+            assert e.value.code() == code
+            assert f"{failing} leg" in e.value.details() and "out of cheese" in e.value.details()
+            await asyncio.wait_for(good.disconnected.wait(), WAIT_S)
+            (rec,) = server.registry.closed.values()
+            assert rec.state is State.FAILED and "out of cheese" in rec.reason
+
+    run(body())
+
+
+def test_generate_unreachable_instance_is_unavailable() -> None:
+    async def body() -> None:
+        async with scheduler(interval_s=1.0) as (server, stub, _):
+            await FakeInstance(stub, info("p0", pb.ROLE_PREFILL, http="http://127.0.0.1:9")).start()
+            await FakeInstance(stub, info("d0", http="http://127.0.0.1:9")).start()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Generate(_req(), timeout=WAIT_S):
+                    pass
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert not server.registry.open
+
+    run(body())
+
+
+def test_generate_client_cancel_aborts_both_legs() -> None:
+    async def body() -> None:
+        gate = asyncio.Event()  # never set: the decode stream stalls before its last token
+        async with cluster(
+            prefill=FakeVllm("prefill", hang=True), decode=FakeVllm("decode", gate=gate), interval_s=1.0
+        ) as (server, stub, p, d, _):
+            call = stub.Generate(_req(), timeout=WAIT_S)
+            first = await call.read()
+            assert list(first.token_ids) == [11]
+            call.cancel()
+            await asyncio.wait_for(d.disconnected.wait(), WAIT_S)
+            await asyncio.wait_for(p.disconnected.wait(), WAIT_S)
+            await wait_for(lambda: first.transfer_id in server.registry.closed)
+            assert server.registry.closed[first.transfer_id].state is State.CANCELLED
+
+    run(body())
+
+
+def test_generate_fails_when_decode_dies() -> None:
+    async def body() -> None:
+        gate = asyncio.Event()
+        async with cluster(decode=FakeVllm("decode", gate=gate), interval_s=0.05) as (server, stub, p, d, insts):
+            call = stub.Generate(_req(), timeout=WAIT_S)
+            await call.read()
+            insts[1].reporting.clear()  # the decode instance's lease runs out
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "assignment lost" in e.value.details() and "lease expired" in e.value.details()
+            await asyncio.wait_for(d.disconnected.wait(), WAIT_S)
+
+    run(body())
+
+
+def test_shutdown_lets_inflight_generate_finish() -> None:
+    async def body() -> None:
+        gate = asyncio.Event()
+        async with cluster(decode=FakeVllm("decode", gate=gate), interval_s=1.0) as (server, stub, p, d, _):
+            call = stub.Generate(_req(), timeout=WAIT_S)
+            got = [await call.read()]
+            stopping = asyncio.ensure_future(server.stop(grace_s=WAIT_S))
+            await wait_for(lambda: server.servicer.shutting_down)
+            # New work is refused at once, health says NOT_SERVING...
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Assign(pb.AssignRequest(prompt_tokens=3), timeout=WAIT_S)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Generate(_req(), timeout=WAIT_S):
+                    pass
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            channel = grpc.aio.insecure_channel(server.address)
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=WAIT_S
+            )
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            await channel.close()
+            # ...while the Generate in flight runs to its end.
+            assert not stopping.done()
+            gate.set()
+            while (m := await call.read()) is not grpc.aio.EOF:
+                got.append(m)
+            assert [t for m in got for t in m.token_ids] == [11, 12, 13, 14] and got[-1].finished
+            await asyncio.wait_for(stopping, WAIT_S)
+            assert all(r.state is State.OK for r in server.registry.closed.values())
+
+    run(body())
