@@ -52,10 +52,15 @@ demo: install
 
 DESTDIR ?=
 PREFIX  ?= /opt/kvpush
+# Units name /opt/kvpush; another PREFIX is substituted at install time.
 install-systemd:
 	install -d $(DESTDIR)/etc/systemd/system $(DESTDIR)/etc/kvpush
-	install -m 0644 deploy/systemd/*.service $(DESTDIR)/etc/systemd/system/
-	for f in deploy/systemd/env/*.env; do install -m 0640 $$f $(DESTDIR)/etc/kvpush/; done
+	for f in deploy/systemd/*.service; do \
+	  sed 's#/opt/kvpush#$(PREFIX)#g' $$f > $(DESTDIR)/etc/systemd/system/$$(basename $$f) && \
+	  chmod 0644 $(DESTDIR)/etc/systemd/system/$$(basename $$f) || exit 1; done
+	for f in deploy/systemd/env/*.env; do \
+	  sed 's#/opt/kvpush#$(PREFIX)#g' $$f > $(DESTDIR)/etc/kvpush/$$(basename $$f) && \
+	  chmod 0640 $(DESTDIR)/etc/kvpush/$$(basename $$f) || exit 1; done
 
 clean:
 	rm -rf .venv .pytest_cache
