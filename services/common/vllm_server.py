@@ -55,11 +55,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _log_tail(path: Path, nbytes: int = _LOG_TAIL_BYTES) -> str:
+def _log_tail(path: Path, nbytes: int = _LOG_TAIL_BYTES, start: int = 0) -> str:
     try:
         with path.open("rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - nbytes))
+            f.seek(max(start, f.tell() - nbytes))
             return f.read().decode("utf-8", errors="replace")
     except OSError as exc:
         return f"<cannot read {path}: {exc}>"
@@ -107,6 +107,7 @@ class VllmServer:
         self.log_path = Path(log_path)
         self._proc: subprocess.Popen[bytes] | None = None
         self._log_file: IO[bytes] | None = None
+        self._log_start = 0  # the log is appended to; tails only show this run
         self.started_at: float | None = None
         self.ready_after_s: float | None = None
 
@@ -165,6 +166,7 @@ class VllmServer:
             raise VllmServerError("server already started")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = self.log_path.open("ab")
+        self._log_start = self._log_file.tell()
         self.started_at = time.monotonic()
         self._proc = subprocess.Popen(
             self.command(),
@@ -177,7 +179,7 @@ class VllmServer:
         return self
 
     def log_tail(self, nbytes: int = _LOG_TAIL_BYTES) -> str:
-        return _log_tail(self.log_path, nbytes)
+        return _log_tail(self.log_path, nbytes, self._log_start)
 
     def wait_ready(self, timeout: float = 300.0, poll_interval: float = 0.25) -> float:
         """Block until ``GET /health`` answers 200; returns seconds since ``start()``.
