@@ -305,3 +305,21 @@ def test_model_shape_hash_changes_with_layout() -> None:
     a = ModelShape("m", "bf16", 2, 4, 512, 16)
     assert a.compatibility_hash() == ModelShape("m", "bf16", 2, 4, 512, 16).compatibility_hash()
     assert a.compatibility_hash() != ModelShape("m", "bf16", 2, 4, 512, 32).compatibility_hash()
+
+
+def test_done_after_cancel_consumes_the_kv_so_newer_epochs_fail_fast() -> None:
+    t = TransferTable()
+    t.on_reservation(_res(epoch=1), 0)
+    t.on_cancel("peer", "t", 1, 0)
+    assert isinstance(t.on_prefill_done(_done(), 0)[0], ReleaseBlocks)
+    (rej,) = t.on_reservation(_res(epoch=2), 0)
+    assert isinstance(rej, Reject) and rej.code is grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_newer_epoch_reopens_a_cancelled_transfer_before_prefill() -> None:
+    t = TransferTable()
+    t.on_reservation(_res(epoch=1), 0)
+    t.on_cancel("peer", "t", 1, 0)
+    assert t.on_reservation(_res(epoch=1), 0)[0].code is grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[union-attr]
+    assert t.on_reservation(_res(epoch=2), 0) == []
+    assert isinstance(t.on_prefill_done(_done(), 0)[0], StartWrite)

@@ -7,6 +7,7 @@ driven by the test over a multiprocessing pipe. Prefill pools hold a determinist
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import threading
@@ -96,15 +97,45 @@ def prefill_node(conn: Connection, engine_id: str, rank: int, tp_size: int, num_
     engine.register([(r.base_addr, r.num_blocks * r.block_stride) for r in regions.regions])
     cfg = PrefillAgentConfig(engine_id=engine_id, rank=rank, tp_size=tp_size, shape=shape(), auth_token=auth)
     agent = PrefillAgent(cfg, engine, regions).start()
+    # A gate in front of the real NIXL post, so a test can hold the writer inside a WRITE.
+    gate_open, gate_entered = threading.Event(), threading.Event()
+    gate_open.set()
+    real_post = engine.post_write
+
+    def gated_post(*a: Any, **kw: Any) -> Any:
+        gate_entered.set()
+        gate_open.wait(30)
+        return real_post(*a, **kw)
+
+    engine.post_write = gated_post  # type: ignore[method-assign]
     conn.send({"endpoint": agent.endpoint, "incarnation": agent.identity.incarnation})
     while True:
         cmd, *args = conn.recv()
-        if cmd == "done":
+        if cmd == "hold_writes":
+            gate_entered.clear()
+            gate_open.clear()
+            conn.send(None)
+        elif cmd == "wait_write_entered":
+            conn.send(gate_entered.wait(args[0]))
+        elif cmd == "release_writes":
+            gate_open.set()
+            conn.send(None)
+        elif cmd == "done":
             tid, block_ids, num_tokens = args
             agent.prefill_done(tid, f"req-{tid}", block_ids, num_tokens)
         elif cmd == "released":
             (timeout,) = args
             conn.send([(r.transfer_id, r.reason) for r in agent.take_released(timeout)])
+        elif cmd == "wait_reservation":
+            tid, epoch, timeout = args
+            deadline = time.monotonic() + timeout
+            got = None
+            while time.monotonic() < deadline:
+                got = agent.writer.call(lambda tid=tid: agent.writer.table.reservation_epoch(tid)).result(5)
+                if got == epoch:
+                    break
+                time.sleep(0.01)  # polling a condition under a deadline
+            conn.send(got)
         elif cmd == "table":
             conn.send(agent.writer.call(lambda: agent.writer.table.active_count()).result(5))
         elif cmd == "stop":
@@ -124,6 +155,15 @@ class _Outcomes:
     cv: threading.Condition = field(default_factory=threading.Condition)
     rank_releases: dict[str, dict[int, tuple[str, str]]] = field(default_factory=lambda: defaultdict(dict))
     settled: dict[str, tuple[str, str]] = field(default_factory=dict)
+    epochs: dict[str, int] = field(default_factory=dict)  # newest epoch seen per transfer
+    settled_epochs: dict[tuple[str, int], str] = field(default_factory=dict)
+
+    def record(self, tid: str, epoch: int) -> None:
+        """Keeps only the newest epoch's releases."""
+        if epoch > self.epochs.get(tid, 0):
+            self.epochs[tid] = epoch
+            self.rank_releases.pop(tid, None)
+            self.settled.pop(tid, None)
 
     def final(self, tid: str) -> tuple[str, str] | None:
         ranks = self.rank_releases.get(tid, {})
@@ -148,6 +188,9 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
     def on_release(rank: int) -> Any:
         def cb(rel: Released) -> None:
             with outcomes.cv:
+                outcomes.record(rel.transfer_id, rel.epoch)
+                if rel.epoch < outcomes.epochs[rel.transfer_id]:
+                    return
                 outcomes.rank_releases[rel.transfer_id][rank] = (rel.outcome.value, rel.reason)
                 done = outcomes.final(rel.transfer_id)
                 outcomes.cv.notify_all()
@@ -158,7 +201,10 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
 
     def on_settled(s: Settled) -> None:
         with outcomes.cv:
-            outcomes.settled[s.transfer_id] = (s.state.value, s.reason)
+            outcomes.settled_epochs[(s.transfer_id, s.epoch)] = s.state.value
+            outcomes.record(s.transfer_id, s.epoch)
+            if s.epoch == outcomes.epochs[s.transfer_id]:
+                outcomes.settled[s.transfer_id] = (s.state.value, s.reason)
             outcomes.cv.notify_all()
 
     pools = [Pool.create(num_blocks, heads) for _ in range(tp_size)]
@@ -178,7 +224,16 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
         cmd, *args = conn.recv()
         if cmd == "reserve":
             tid, leg, block_ids, num_tokens, skip = args
-            conn.send(agent.reserve(tid, f"dreq-{tid}", DecodeLeg(**leg), block_ids, num_tokens, skip))
+            epoch = agent.reserve(tid, f"dreq-{tid}", DecodeLeg(**leg), block_ids, num_tokens, skip)
+            with outcomes.cv:
+                outcomes.record(tid, epoch)
+            conn.send(epoch)
+        elif cmd == "wait_settled":
+            tid, epoch, timeout = args
+            with outcomes.cv:
+                key = (tid, epoch)
+                outcomes.cv.wait_for(lambda key=key: key in outcomes.settled_epochs, timeout)
+                conn.send(outcomes.settled_epochs.get((tid, epoch)))
         elif cmd == "cancel":
             agent.cancel(args[0], "test cancel")
             conn.send(None)
@@ -188,7 +243,10 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
             with outcomes.cv:
                 while True:
                     result = {t: outcomes.final(t) for t in tids}
-                    if all(v is not None for v in result.values()) or time.monotonic() >= deadline:
+                    # Done when every rank released, and anything not OK was also settled.
+                    if all(v is not None and (v[0] == "ok" or t in outcomes.settled) for t, v in result.items()):
+                        break
+                    if time.monotonic() >= deadline:
                         break
                     outcomes.cv.wait(max(0.0, deadline - time.monotonic()))
                 conn.send({"ranks": result, "settled": {t: outcomes.settled.get(t) for t in tids}})
@@ -250,10 +308,8 @@ class Node:
 
     def stop(self) -> None:
         if self.proc.is_alive():
-            try:
+            with contextlib.suppress(TimeoutError, OSError, EOFError):
                 self.call("stop", timeout=10)
-            except (TimeoutError, OSError, EOFError):
-                pass
         self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()

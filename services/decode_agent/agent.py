@@ -61,6 +61,8 @@ class _Pending:
     num_skip_blocks: int
     reserve_called: float
     task: asyncio.Task[None] | None = None
+    after: asyncio.Event | None = None  # an older epoch whose fence must settle first
+    gone: asyncio.Event = field(default_factory=asyncio.Event)  # set when forgotten
 
 
 @dataclass
@@ -99,7 +101,9 @@ class DecodeAgent:
         self.on_settled = on_settled
         self._epochs = itertools.count(1)
         self._loop = LoopThread("kvpush-decode-agent")
-        self._transfers: dict[str, _Pending] = {}
+        # Keyed by (transfer_id, epoch): a superseded epoch stays here until its fence settles.
+        self._transfers: dict[tuple[str, int], _Pending] = {}
+        self._latest: dict[str, int] = {}  # transfer_id -> newest epoch
         self._links: dict[str, PrefillLink] = {}
         self._lost: dict[str, float] = {}  # endpoint -> grace deadline of its last lost stream
         self._rank_channels: list[grpc.aio.Channel] = []
@@ -169,7 +173,7 @@ class DecodeAgent:
         """For tests and tools: the transfer's state, None once it is forgotten."""
 
         async def get() -> DecodeState | None:
-            p = self._transfers.get(transfer_id)
+            p = self._current(transfer_id)
             return p.transfer.state if p else None
 
         return self._loop.run(get())
@@ -182,16 +186,27 @@ class DecodeAgent:
 
     # ----- publishing (loop thread) ------------------------------------------------------
 
+    def _current(self, transfer_id: str) -> _Pending | None:
+        epoch = self._latest.get(transfer_id)
+        return None if epoch is None else self._transfers.get((transfer_id, epoch))
+
     def _start_publish(self, p: _Pending) -> None:
-        old = self._transfers.get(p.transfer.transfer_id)
+        t = p.transfer
+        old = self._current(t.transfer_id)
+        self._transfers[(t.transfer_id, t.epoch)] = p
+        self._latest[t.transfer_id] = t.epoch
         if old is not None and not old.transfer.settled:
-            # A new epoch of a transfer still open: fence the old one first.
+            # A new epoch of a transfer still open: fence the old one, publish once it settled.
             self._fence(old, DecodeState.CANCELLED, "superseded by a new epoch")
-        self._transfers[p.transfer.transfer_id] = p
+            p.after = old.gone
         p.task = asyncio.get_running_loop().create_task(self._publish(p))
 
     async def _publish(self, p: _Pending) -> None:
         t, leg = p.transfer, p.leg
+        if p.after is not None:
+            await p.after.wait()
+            if t.state is not DecodeState.RESERVED:
+                return
         try:
             await asyncio.gather(
                 *(
@@ -332,8 +347,8 @@ class DecodeAgent:
         kind = msg.WhichOneof("body")
         if kind == "cancel_ack":
             a = msg.cancel_ack
-            p = self._transfers.get(a.transfer_id)
-            if p is not None and p.transfer.epoch == a.epoch:
+            p = self._transfers.get((a.transfer_id, a.epoch))
+            if p is not None:
                 p.transfer.on_cancel_ack(link.endpoint)
                 self._maybe_settle(p)
         elif kind == "rejected":
@@ -370,8 +385,8 @@ class DecodeAgent:
     # ----- fence --------------------------------------------------------------------------
 
     def _fence_by_id(self, transfer_id: str, epoch: int | None, outcome: DecodeState, reason: str) -> None:
-        p = self._transfers.get(transfer_id)
-        if p is None or (epoch is not None and p.transfer.epoch != epoch):
+        p = self._current(transfer_id) if epoch is None else self._transfers.get((transfer_id, epoch))
+        if p is None:
             return
         self._fence(p, outcome, reason)
 
@@ -439,16 +454,17 @@ class DecodeAgent:
             self.on_settled(Settled(t.transfer_id, t.epoch, t.request_id, state, t.reason))
 
     def _finished(self, transfer_id: str, epoch: int | None) -> None:
-        p = self._transfers.get(transfer_id)
-        if p is None or (epoch is not None and p.transfer.epoch != epoch):
+        p = self._current(transfer_id) if epoch is None else self._transfers.get((transfer_id, epoch))
+        if p is None:
             return
-        if p.transfer.complete() or p.transfer.state is DecodeState.CANCELLING:
-            # Every prefill rank reported to the ranks: no WRITE can land any more.
-            if p.transfer.state is DecodeState.CANCELLING:
-                p.transfer.state = DecodeState.COMPLETE
+        if p.transfer.complete():
             metrics.SETTLED.labels(outcome="complete").inc()
             self._forget(p)
+        # A transfer being fenced finishes through its fence (the acks follow within milliseconds).
 
     def _forget(self, p: _Pending) -> None:
-        if self._transfers.get(p.transfer.transfer_id) is p:
-            del self._transfers[p.transfer.transfer_id]
+        t = p.transfer
+        self._transfers.pop((t.transfer_id, t.epoch), None)
+        if self._latest.get(t.transfer_id) == t.epoch:
+            del self._latest[t.transfer_id]
+        p.gone.set()

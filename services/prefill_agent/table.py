@@ -92,6 +92,7 @@ class _Entry:
     next_reservation: Reservation | None = None  # a newer epoch that arrived while writing
     cancel_waiters: list[tuple[str, int]] = field(default_factory=list)
     reason: str = ""
+    cancelled_epoch: int = 0  # newest epoch a Cancel named
 
 
 class TransferTable:
@@ -105,6 +106,13 @@ class TransferTable:
     def state(self, transfer_id: str) -> PrefillState | None:
         e = self._entries.get(transfer_id)
         return e.state if e else None
+
+    def reservation_epoch(self, transfer_id: str) -> int | None:
+        """Epoch of the reservation the transfer waits for or writes, if any."""
+        e = self._entries.get(transfer_id)
+        if e is None or e.state in TERMINAL or e.reservation is None:
+            return None
+        return (e.next_reservation or e.reservation).epoch
 
     def active_count(self) -> int:
         return sum(1 for e in self._entries.values() if e.state not in TERMINAL)
@@ -122,6 +130,8 @@ class TransferTable:
             )
             return []
         current = e.next_reservation or e.reservation
+        if res.epoch <= e.cancelled_epoch:
+            return [self._reject(res, grpc.StatusCode.FAILED_PRECONDITION, f"epoch {res.epoch} was cancelled")]
         if current is not None and res.epoch < current.epoch:
             return [
                 self._reject(res, grpc.StatusCode.FAILED_PRECONDITION, f"stale epoch {res.epoch} < {current.epoch}")
@@ -139,6 +149,10 @@ class TransferTable:
         if e.state is PrefillState.WRITING:
             e.next_reservation = res
             return []
+        if e.state is PrefillState.CANCELLED and e.done is None:
+            # The KV is not computed yet: a newer epoch reopens the transfer.
+            e.state, e.reservation, e.reason, e.deadline = PrefillState.WAITING_PREFILL, res, "", now + res.lease_s
+            return []
         return [self._reject(res, grpc.StatusCode.FAILED_PRECONDITION, f"transfer already {e.state.value}: {e.reason}")]
 
     def on_prefill_done(self, done: PrefillDone, now: float) -> list[Action]:
@@ -153,6 +167,7 @@ class TransferTable:
             return self._start(e, now)
         if e.state in TERMINAL:
             # Cancelled or expired before the KV existed: nobody will ever want these blocks.
+            e.done = done  # consumed: a later epoch can no longer be served
             return [ReleaseBlocks(done.transfer_id, done.request_id, f"transfer already {e.state.value}")]
         # A second "done" for a transfer in flight is a caller bug; keep the first.
         return []
@@ -162,9 +177,10 @@ class TransferTable:
         if e is None:
             # Nothing was ever written; remember the cancel so a late prefill-done frees at once.
             self._entries[transfer_id] = _Entry(
-                transfer_id, PrefillState.CANCELLED, now + self.tombstone_s, reason="cancelled"
+                transfer_id, PrefillState.CANCELLED, now + self.tombstone_s, reason="cancelled", cancelled_epoch=epoch
             )
             return [AckCancel(peer, transfer_id, epoch, data_written=False)]
+        e.cancelled_epoch = max(e.cancelled_epoch, epoch)
         if e.state is PrefillState.WRITING:
             if e.next_reservation is not None and e.next_reservation.epoch == epoch:
                 e.next_reservation = None
