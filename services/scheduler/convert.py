@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 from google.protobuf import struct_pb2
@@ -115,25 +116,48 @@ def outcome_from_pb(value: int) -> Outcome:
 
 
 def leg_params(rec: AssignmentRecord) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The kv_transfer_params dicts of the prefill and decode legs."""
+    """The kv_transfer_params dicts of the prefill and decode legs (shared contract, to_params)."""
     prefill = transfer_params.to_params(
         transfer_params.PrefillLeg(transfer_id=rec.transfer_id, decode_engine_id=rec.decode.engine_id)
     )
+    template = _decode_template(rec.prefill)[0]
+    decode = {
+        transfer_params.KEY: {**template[transfer_params.KEY], "transfer_id": rec.transfer_id, "epoch": rec.epoch}
+    }
+    return prefill, decode
+
+
+@functools.lru_cache(maxsize=4096)
+def _decode_template(prefill: InstanceSpec) -> tuple[dict[str, Any], struct_pb2.Struct]:
+    """The decode leg for one prefill instance with a blank transfer id and epoch, as a dict and as
+    a Struct: only those two fields differ between assignments, so the hot path copies and patches."""
     extra: dict[str, Any] = {}
     if "prefill_rank_incarnations" in _DECODE_LEG_FIELDS:
-        extra["prefill_rank_incarnations"] = list(rec.prefill.agent_incarnations)
-    decode = transfer_params.to_params(
+        extra["prefill_rank_incarnations"] = list(prefill.agent_incarnations)
+    params = transfer_params.to_params(
         transfer_params.DecodeLeg(
-            transfer_id=rec.transfer_id,
-            epoch=rec.epoch,
-            prefill_engine_id=rec.prefill.engine_id,
-            prefill_incarnation=rec.prefill.incarnation,
-            prefill_tp_size=rec.prefill.tp_size,
-            prefill_agent_endpoints=list(rec.prefill.agent_endpoints),
+            transfer_id="",
+            epoch=0,
+            prefill_engine_id=prefill.engine_id,
+            prefill_incarnation=prefill.incarnation,
+            prefill_tp_size=prefill.tp_size,
+            prefill_agent_endpoints=list(prefill.agent_endpoints),
             **extra,
         )
     )
-    return prefill, decode
+    return params, _struct(params)
+
+
+@functools.lru_cache(maxsize=4096)
+def _prefill_template(decode: InstanceSpec) -> struct_pb2.Struct:
+    return _struct(
+        transfer_params.to_params(transfer_params.PrefillLeg(transfer_id="", decode_engine_id=decode.engine_id))
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _info(spec: InstanceSpec) -> pb.InstanceInfo:
+    return spec_to_pb(spec)
 
 
 def _struct(d: dict[str, Any]) -> struct_pb2.Struct:
@@ -143,12 +167,15 @@ def _struct(d: dict[str, Any]) -> struct_pb2.Struct:
 
 
 def assignment_to_pb(rec: AssignmentRecord) -> pb.Assignment:
-    prefill, decode = leg_params(rec)
-    return pb.Assignment(
-        transfer_id=rec.transfer_id,
-        epoch=rec.epoch,
-        prefill=spec_to_pb(rec.prefill),
-        decode=spec_to_pb(rec.decode),
-        prefill_kv_transfer_params=_struct(prefill),
-        decode_kv_transfer_params=_struct(decode),
-    )
+    a = pb.Assignment(transfer_id=rec.transfer_id, epoch=rec.epoch)
+    a.prefill.CopyFrom(_info(rec.prefill))
+    a.decode.CopyFrom(_info(rec.decode))
+    a.prefill_kv_transfer_params.CopyFrom(_prefill_template(rec.decode))
+    a.prefill_kv_transfer_params.fields[transfer_params.KEY].struct_value.fields[
+        "transfer_id"
+    ].string_value = rec.transfer_id
+    a.decode_kv_transfer_params.CopyFrom(_decode_template(rec.prefill)[1])
+    decode = a.decode_kv_transfer_params.fields[transfer_params.KEY].struct_value.fields
+    decode["transfer_id"].string_value = rec.transfer_id
+    decode["epoch"].number_value = rec.epoch  # exact: epochs stay below 2**53
+    return a

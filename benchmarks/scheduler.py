@@ -1,0 +1,315 @@
+"""Scheduler benchmark: Assign latency and throughput over real gRPC.
+
+Starts ``kvpush-scheduler`` as a subprocess on 127.0.0.1, registers fake decode and prefill
+instances that keep load streams open, then measures from many concurrent clients:
+
+* open loop: Assign at a fixed offered rate (default 1,000 req/s), each followed by a Release;
+* closed loop: N workers doing Assign+Release back to back (maximum throughput).
+
+Latency is the client-observed Assign round trip. Prints a markdown table and writes JSON to
+bench-results/scheduler.json. Usage: ``python -m benchmarks.scheduler [--rate 1000 --seconds 10]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pct(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    return sorted_values[min(len(sorted_values) - 1, int(q * len(sorted_values)))]
+
+
+def _summary(name: str, lat: list[float], errors: int, seconds: float, offered: float | None) -> dict[str, Any]:
+    lat = sorted(lat)
+    return {
+        "phase": name,
+        "offered_rps": offered,
+        "completed": len(lat),
+        "errors": errors,
+        "achieved_rps": len(lat) / seconds if seconds else 0.0,
+        "p50_ms": _pct(lat, 0.50) * 1e3,
+        "p90_ms": _pct(lat, 0.90) * 1e3,
+        "p99_ms": _pct(lat, 0.99) * 1e3,
+        "p999_ms": _pct(lat, 0.999) * 1e3,
+        "max_ms": (lat[-1] if lat else float("nan")) * 1e3,
+    }
+
+
+class Bench:
+    def __init__(self, address: str, channels: int) -> None:
+        self.channels = [grpc.aio.insecure_channel(address) for _ in range(channels)]
+        self.stubs = [pb_grpc.SchedulerStub(c) for c in self.channels]
+        self._n = 0
+        self._streams: list[Any] = []
+        self._stop = asyncio.Event()
+
+    def stub(self) -> pb_grpc.SchedulerStub:
+        self._n += 1
+        return self.stubs[self._n % len(self.stubs)]
+
+    async def register(self, decodes: int, prefills: int) -> None:
+        stub = self.stubs[0]
+        for i in range(decodes + prefills):
+            role = pb.ROLE_DECODE if i < decodes else pb.ROLE_PREFILL
+            name = f"{'d' if role == pb.ROLE_DECODE else 'p'}{i}"
+            info = pb.InstanceInfo(
+                engine_id=name,
+                role=role,
+                incarnation="bench",
+                tp_size=2,
+                agent_endpoints=["127.0.0.1:1", "127.0.0.1:2"],
+                total_kv_blocks=4_000_000,
+                tokens_per_block=16,
+                http_endpoint="http://127.0.0.1:1",
+            )
+            resp = await stub.Register(pb.RegisterRequest(instance=info), timeout=5)
+            interval = resp.lease_interval_ms / 1000 / 2
+
+            async def reports(name: str = name, interval: float = interval) -> Any:
+                while not self._stop.is_set():
+                    yield pb.LoadReport(engine_id=name, incarnation="bench", free_blocks=4_000_000)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), interval)
+
+            call = stub.ReportLoad(reports())
+            self._streams.append(call)
+            self._streams.append(asyncio.create_task(self._drain(call)))
+
+    @staticmethod
+    async def _drain(call: Any) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
+            async for _ in call:
+                pass
+
+    async def one(self, lat: list[float], errs: list[int]) -> None:
+        stub = self.stub()
+        t0 = time.perf_counter()
+        try:
+            a = await stub.Assign(pb.AssignRequest(prompt_tokens=512, max_tokens=128), timeout=5)
+        except grpc.aio.AioRpcError:
+            errs[0] += 1
+            return
+        lat.append(time.perf_counter() - t0)
+        try:
+            await stub.Release(
+                pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK), timeout=5
+            )
+        except grpc.aio.AioRpcError:
+            errs[0] += 1
+
+    async def open_loop(self, rate: float, seconds: float) -> dict[str, Any]:
+        lat: list[float] = []
+        errs = [0]
+        tasks: set[asyncio.Task[None]] = set()
+        n = int(rate * seconds)
+        start = time.perf_counter()
+        for i in range(n):
+            delay = start + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            t = asyncio.create_task(self.one(lat, errs))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+        await asyncio.gather(*tasks)
+        # Achieved: completions over the time until the last one (a backlog stretches it).
+        return _summary("open loop", lat, errs[0], time.perf_counter() - start, rate)
+
+    async def closed_loop(self, workers: int, seconds: float) -> dict[str, Any]:
+        lat: list[float] = []
+        errs = [0]
+        end = time.perf_counter() + seconds
+
+        async def worker() -> None:
+            while time.perf_counter() < end:
+                await self.one(lat, errs)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(workers)))
+        res = _summary(f"closed loop, {workers} workers", lat, errs[0], time.perf_counter() - start, None)
+        return res
+
+    async def close(self) -> None:
+        self._stop.set()
+        for s in self._streams:
+            if isinstance(s, asyncio.Task):
+                with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                    await asyncio.wait_for(s, 2)
+        for c in self.channels:
+            await c.close()
+
+
+async def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    end = time.monotonic() + timeout
+    async with grpc.aio.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"scheduler exited with {proc.returncode}")
+            try:
+                r = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > end:
+                raise RuntimeError("scheduler did not become ready")
+            await asyncio.sleep(0.1)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    port, metrics_port = _free_port(), _free_port()
+    address = f"127.0.0.1:{port}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.scheduler.main",
+            "--listen",
+            address,
+            "--metrics-port",
+            str(metrics_port),
+            "--metrics-addr",
+            "127.0.0.1",
+            # Leases long enough that a saturated client process cannot starve its own load streams.
+            "--lease-interval-ms",
+            "1000",
+            "--lease-misses",
+            "10",
+            "--log-level",
+            "WARNING",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        await _wait_serving(address, proc)
+        bench = Bench(address, args.channels)
+        await bench.register(args.decodes, args.prefills)
+        await bench.open_loop(min(args.rate, 500), 1.0)  # warm-up
+        load_before = os.getloadavg()
+        server_before = _server_histogram(metrics_port)
+        results = [await bench.open_loop(args.rate, args.seconds)]
+        results[0]["server_side"] = _histogram_delta(server_before, _server_histogram(metrics_port))
+        if args.workers:
+            before = _server_histogram(metrics_port)
+            results.append(await bench.closed_loop(args.workers, args.seconds))
+            results[-1]["server_side"] = _histogram_delta(before, _server_histogram(metrics_port))
+        await bench.close()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return {
+        "benchmark": "scheduler Assign",
+        "host": {
+            "cpus": os.cpu_count(),
+            "loadavg_1m_before": round(load_before[0], 2),
+            "loadavg_1m_after": round(os.getloadavg()[0], 2),
+            "python": platform.python_version(),
+            "grpcio": grpc.__version__,
+        },
+        "setup": {
+            "decodes": args.decodes,
+            "prefills": args.prefills,
+            "channels": args.channels,
+            "seconds": args.seconds,
+            "note": "client-observed Assign round trip; every Assign is followed by a Release (not timed); "
+            "scheduler in its own process, clients in this one, same host",
+        },
+        "results": results,
+        "goal": {"rate_rps": 1000, "p99_ms": 2.0},
+    }
+
+
+def _server_histogram(port: int) -> dict[float, float]:
+    """Cumulative bucket counts of the scheduler's own Assign handling time (seconds)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvpush_scheduler_assign_seconds_bucket"):
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            out[float(le)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _histogram_delta(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:
+    total = after[float("inf")] - before.get(float("inf"), 0.0)
+    res = {"assigns": total}
+    for le in (0.0005, 0.001, 0.002, 0.005):
+        res[f"share_le_{le * 1e3:g}ms"] = (after[le] - before.get(le, 0.0)) / total if total else float("nan")
+    return res
+
+
+def _table(report: dict[str, Any]) -> str:
+    rows = [
+        "| phase | offered req/s | achieved req/s | completed | errors | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms "
+        "| server-side ≤ 1 ms | server-side ≤ 2 ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["results"]:
+        offered = f"{r['offered_rps']:.0f}" if r["offered_rps"] else "max"
+        rows.append(
+            f"| {r['phase']} | {offered} | {r['achieved_rps']:.0f} | {r['completed']} | {r['errors']} | "
+            f"{r['p50_ms']:.3f} | {r['p90_ms']:.3f} | {r['p99_ms']:.3f} | {r['p999_ms']:.3f} | {r['max_ms']:.3f} | "
+            f"{r['server_side']['share_le_1ms']:.1%} | {r['server_side']['share_le_2ms']:.1%} |"
+        )
+    host = report["host"]
+    rows.append(
+        f"\n{host['cpus']} CPUs, load average {host['loadavg_1m_before']} before / {host['loadavg_1m_after']} after; "
+        "latency: client-observed Assign round trip; server-side: the scheduler's own Assign handling time "
+        "(share of calls within the bound, from its Prometheus histogram)."
+    )
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rate", type=float, default=1000.0, help="open-loop offered Assign rate, req/s")
+    p.add_argument("--seconds", type=float, default=10.0, help="duration of each phase")
+    p.add_argument("--workers", type=int, default=32, help="closed-loop concurrent clients (0: skip)")
+    p.add_argument("--channels", type=int, default=4, help="gRPC channels the clients share")
+    p.add_argument("--decodes", type=int, default=8)
+    p.add_argument("--prefills", type=int, default=4)
+    p.add_argument("--out", default=str(ROOT / "bench-results/scheduler.json"))
+    args = p.parse_args(argv)
+    report = asyncio.run(run(args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    sys.stdout.write(_table(report) + f"\n\nJSON: {out}\n")
+
+
+if __name__ == "__main__":
+    main()
