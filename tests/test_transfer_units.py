@@ -323,3 +323,13 @@ def test_newer_epoch_reopens_a_cancelled_transfer_before_prefill() -> None:
     assert t.on_reservation(_res(epoch=1), 0)[0].code is grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[union-attr]
     assert t.on_reservation(_res(epoch=2), 0) == []
     assert isinstance(t.on_prefill_done(_done(), 0)[0], StartWrite)
+
+
+def test_prefill_abort_rejects_the_waiting_reservation_and_later_ones() -> None:
+    t = TransferTable()
+    t.on_reservation(_res(), 0)
+    (rej,) = t.on_prefill_aborted("t", 0)
+    assert isinstance(rej, Reject) and rej.code is grpc.StatusCode.ABORTED
+    assert t.on_prefill_aborted("u", 0) == []
+    (late,) = t.on_reservation(_res(tid="u"), 0)
+    assert isinstance(late, Reject) and late.code is grpc.StatusCode.FAILED_PRECONDITION

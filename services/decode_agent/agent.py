@@ -165,6 +165,18 @@ class DecodeAgent:
     def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
         self._loop.call_soon(self._fence_by_id, transfer_id, None, DecodeState.CANCELLED, reason)
 
+    def release_prefill(self, transfer_id: str, leg: DecodeLeg, reason: str) -> None:
+        """Nothing will be reserved for ``transfer_id`` (aborted early, or decode already holds the
+        whole prompt): tell the prefill ranks so they free its KV now instead of at lease expiry."""
+        self._loop.call_soon(self._release_prefill, transfer_id, leg, reason)
+
+    def _release_prefill(self, transfer_id: str, leg: DecodeLeg, reason: str) -> None:
+        incarnations = leg.prefill_rank_incarnations or [""] * len(leg.prefill_agent_endpoints)
+        for endpoint, incarnation in zip(leg.prefill_agent_endpoints, incarnations, strict=False):
+            link = self._link(endpoint, leg.prefill_engine_id, incarnation)
+            link.outbox.put_nowait(pb.DecodeMessage(cancel=pb.Cancel(transfer_id=transfer_id, epoch=0, reason=reason)))
+        log.info("prefill_release_requested", transfer_id=transfer_id, reason=reason)
+
     def finished(self, transfer_id: str, epoch: int | None = None) -> None:
         """The decode ranks released the transfer on their own (every prefill rank reported)."""
         self._loop.call_soon(self._finished, transfer_id, epoch)

@@ -140,6 +140,9 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             PrefillDone(transfer_id, request_id, tuple(tuple(int(b) for b in g) for g in block_ids), num_tokens)
         )
 
+    def prefill_aborted(self, transfer_id: str) -> None:
+        self.writer.prefill_aborted(transfer_id)
+
     def take_released(self, timeout_s: float = 0.0) -> list[ReleaseBlocks]:
         """Drains the released transfers, waiting up to ``timeout_s`` for at least one."""
         with self._released_cv:

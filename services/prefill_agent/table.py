@@ -172,6 +172,19 @@ class TransferTable:
         # A second "done" for a transfer in flight is a caller bug; keep the first.
         return []
 
+    def on_prefill_aborted(self, transfer_id: str, now: float) -> list[Action]:
+        """The prefill request ended before its KV was computed: decode must not wait for it."""
+        e = self._entries.get(transfer_id)
+        if e is None:
+            self._entries[transfer_id] = _Entry(
+                transfer_id, PrefillState.FAILED, now + self.tombstone_s, reason="prefill aborted"
+            )
+            return []
+        if e.state is PrefillState.WAITING_PREFILL and e.reservation is not None:
+            e.state, e.reason, e.deadline = PrefillState.FAILED, "prefill aborted", now + self.tombstone_s
+            return [self._reject(e.reservation, grpc.StatusCode.ABORTED, "prefill request aborted")]
+        return []
+
     def on_cancel(self, peer: str, transfer_id: str, epoch: int, now: float) -> list[Action]:
         e = self._entries.get(transfer_id)
         if e is None:

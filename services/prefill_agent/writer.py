@@ -79,6 +79,11 @@ class _Done:
 
 
 @dataclass(frozen=True)
+class _Aborted:
+    transfer_id: str
+
+
+@dataclass(frozen=True)
 class _Cancel:
     peer: str
     transfer_id: str
@@ -156,6 +161,10 @@ class PushWriter:
         """Called from the engine loop when the transfer's KV is computed; never blocks."""
         self._inbox.put(_Done(done))
 
+    def prefill_aborted(self, transfer_id: str) -> None:
+        """The prefill request ended without computing its KV (abort, error)."""
+        self._inbox.put(_Aborted(transfer_id))
+
     def cancel(self, peer: str, transfer_id: str, epoch: int) -> None:
         self._inbox.put(_Cancel(peer, transfer_id, epoch))
 
@@ -197,6 +206,8 @@ class PushWriter:
         elif isinstance(event, _Done):
             self._first_seen.setdefault(event.done.transfer_id, now)
             self._execute(self.table.on_prefill_done(event.done, now))
+        elif isinstance(event, _Aborted):
+            self._execute(self.table.on_prefill_aborted(event.transfer_id, now))
         elif isinstance(event, _Cancel):
             log.info("cancel_received", transfer_id=event.transfer_id, epoch=event.epoch)
             self._execute(self.table.on_cancel(event.peer, event.transfer_id, event.epoch, now))

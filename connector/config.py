@@ -1,0 +1,57 @@
+"""Connector settings, read from vLLM's ``kv_transfer_config`` (pure)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    engine_id: str
+    role: str  # "prefill" or "decode"
+    agent_host: str = "127.0.0.1"
+    agent_base_port: int = 0  # rank r listens on base + r; 0 picks free ports
+    advertise_host: str = ""  # host peers use to reach the agents; defaults to agent_host
+    scheduler_address: str = ""  # host:port of the kvpush scheduler; empty: do not register
+    http_endpoint: str = ""  # this instance's OpenAI server, for the scheduler registry
+    auth_token: str = ""
+    model_id: str = ""  # part of the compatibility hash; defaults to the model path's basename
+    grace_s: float = 2.0
+    prefill_lease_s: float = 30.0
+    reservation_lease_ms: int = 30_000
+    poll_interval_us: float = 100.0
+    load_report_ms: int = 500
+
+    @classmethod
+    def from_vllm(cls, kv_transfer_config: Any) -> ConnectorConfig:
+        role = {"kv_producer": "prefill", "kv_consumer": "decode"}.get(kv_transfer_config.kv_role)
+        if role is None:
+            raise ConfigError(
+                f"KvPushConnector needs kv_role kv_producer or kv_consumer, not {kv_transfer_config.kv_role!r}"
+            )
+        if not kv_transfer_config.engine_id:
+            raise ConfigError("KvPushConnector needs a fixed kv_transfer_config.engine_id")
+        extra = dict(kv_transfer_config.kv_connector_extra_config or {})
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown kv_connector_extra_config keys: {unknown}")
+        values: dict[str, Any] = {}
+        for key, raw in extra.items():
+            typ = known[key].type
+            try:
+                values[key] = {"int": int, "float": float, "str": str}[str(typ)](raw)
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ConfigError(f"kv_connector_extra_config[{key!r}]: {exc}") from exc
+        return cls(engine_id=str(kv_transfer_config.engine_id), role=role, **values)
+
+    def port_for(self, rank: int) -> int:
+        return self.agent_base_port + rank if self.agent_base_port else 0
+
+    def advertised(self, port: int) -> str:
+        return f"{self.advertise_host or self.agent_host}:{port}"

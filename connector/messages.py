@@ -1,0 +1,38 @@
+"""Objects that cross vLLM's process boundaries (pickled): handshake and per-step metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
+
+from services.common.layout import ModelShape
+
+
+@dataclass
+class RankHandshake(KVConnectorHandshakeMetadata):
+    """What a worker rank tells its engine's scheduler-side connector at start-up."""
+
+    tp_rank: int
+    endpoint: str  # prefill: PrefillAgent server; decode: DecodeRank server
+    incarnation: str
+    layout: bytes = b""  # decode: serialized kvpush.v1.RankLayout
+    num_blocks: int = 0
+    shape: ModelShape | None = None
+
+
+@dataclass(frozen=True)
+class FinishedPrefill:
+    transfer_id: str
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    num_tokens: int
+
+
+@dataclass
+class PushMetadata(KVConnectorMetadata):
+    """Scheduler -> worker, per step (prefill only): transfers whose KV this step completes, and
+    transfers whose prefill was aborted before it finished."""
+
+    finished_prefills: list[FinishedPrefill] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)

@@ -1,0 +1,144 @@
+"""``KvPushConnector``: vLLM KV connector for push-mode P/D disaggregation over kvpush.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "KvPushConnector",
+"kv_connector_module_path": "connector.push_connector", "kv_role": "kv_producer" | "kv_consumer",
+"engine_id": "...", "kv_connector_extra_config": {...}}'`` (see ``connector.config``).
+
+This module is imported in vLLM's API-server process at config time, so it imports nothing heavy:
+the agents (gRPC, NIXL) load when an engine process builds the connector.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class KvPushConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        from connector.config import ConnectorConfig
+        from connector.kv_layout import default_model_id
+        from services.common.logs import configure
+
+        configure()
+        assert vllm_config.kv_transfer_config is not None
+        self.cfg = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config)
+        model_id = self.cfg.model_id or default_model_id(vllm_config.model_config.model)
+        self._num_groups = max(1, len(kv_cache_config.kv_cache_groups)) if kv_cache_config else 1
+        self.decode_sched: Any = None
+        self.prefill_sched: Any = None
+        self.decode_worker: Any = None
+        self.prefill_worker: Any = None
+        if role == KVConnectorRole.SCHEDULER:
+            from connector.schedulers import DecodeScheduler, PrefillScheduler
+
+            if self.cfg.role == "decode":
+                self.decode_sched = DecodeScheduler(self.cfg, vllm_config)
+            else:
+                self.prefill_sched = PrefillScheduler(self.cfg, vllm_config)
+        else:
+            from connector.workers import DecodeWorker, PrefillWorker
+
+            if self.cfg.role == "decode":
+                self.decode_worker = DecodeWorker(self.cfg, model_id)
+            else:
+                self.prefill_worker = PrefillWorker(self.cfg, model_id)
+
+    @property
+    def _sched(self) -> Any:
+        return self.decode_sched or self.prefill_sched
+
+    # ----- scheduler side -----------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._sched.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._sched.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        # Every group is written remotely: never let allocation zero a block a WRITE may fill.
+        return tuple(range(self._num_groups))
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        from connector.messages import PushMetadata
+
+        if self.prefill_sched is not None:
+            return self.prefill_sched.build_connector_meta(scheduler_output)
+        return PushMetadata()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if self.decode_sched is not None:
+            self.decode_sched.update_connector_output(set(connector_output.finished_recving or ()))
+        elif self.prefill_sched is not None:
+            self.prefill_sched.update_connector_output(set(connector_output.finished_sending or ()))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched.request_finished(request)
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched.has_pending_push_work()
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        self._sched.set_handshakes(metadata, getattr(self, "_kv_cache_manager", None))
+
+    # ----- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        (self.decode_worker or self.prefill_worker).register_kv_caches(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return (self.decode_worker or self.prefill_worker).handshake()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None  # decode never loads: prefill pushes
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        if self.prefill_worker is not None:
+            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+            self.prefill_worker.wait_for_save(meta)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.decode_worker is not None:
+            done, failed = self.decode_worker.transfer_results()
+            return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        if self.prefill_worker is not None:
+            return KVConnectorTransferResults(finished_sending=self.prefill_worker.finished_sending(finished_req_ids))
+        return KVConnectorTransferResults()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        res = self.get_transfer_results(finished_req_ids)
+        return res.finished_sending or None, res.finished_recving or None
+
+    def shutdown(self) -> None:
+        for part in (self.decode_sched, self.prefill_sched, self.decode_worker, self.prefill_worker):
+            if part is not None:
+                part.shutdown()

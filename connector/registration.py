@@ -1,0 +1,68 @@
+"""Keeps one vLLM instance registered with the kvpush scheduler: ``Register`` once, then a load
+stream whose reports renew the lease. Runs on its own daemon thread; reconnects with backoff."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from connector.config import ConnectorConfig
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.common.grpc_util import CHANNEL_OPTIONS
+from services.common.logs import get_logger
+
+log = get_logger("connector.registration")
+
+
+class Registration:
+    def __init__(self, cfg: ConnectorConfig, info: pb.InstanceInfo, load: Callable[[], pb.LoadReport]) -> None:
+        self.cfg = cfg
+        self.info = info
+        self.load = load
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvpush-registration", daemon=True)
+        self.registered = threading.Event()
+
+    def start(self) -> Registration:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _reports(self, interval_s: float) -> Iterator[pb.LoadReport]:
+        while not self._stop.is_set():
+            report = self.load()
+            report.engine_id = self.info.engine_id
+            report.incarnation = self.info.incarnation
+            yield report
+            self._stop.wait(interval_s)
+        report = self.load()
+        report.engine_id, report.incarnation, report.draining = self.info.engine_id, self.info.incarnation, True
+        yield report  # goodbye: a clean deregistration
+
+    def _run(self) -> None:
+        backoff = 0.2
+        while not self._stop.is_set():
+            channel = grpc.insecure_channel(self.cfg.scheduler_address, options=CHANNEL_OPTIONS)
+            try:
+                stub = pb_grpc.SchedulerStub(channel)
+                resp = stub.Register(pb.RegisterRequest(instance=self.info), timeout=5)
+                interval = min(self.cfg.load_report_ms / 1e3, max(0.05, resp.lease_interval_ms / 1e3 / 2))
+                self.registered.set()
+                log.info("registered", scheduler=self.cfg.scheduler_address, engine_id=self.info.engine_id)
+                backoff = 0.2
+                for _ in stub.ReportLoad(self._reports(interval)):
+                    pass
+            except grpc.RpcError as exc:
+                self.registered.clear()
+                log.warning("registration_lost", scheduler=self.cfg.scheduler_address, code=exc.code().name)
+            finally:
+                channel.close()
+            if self._stop.wait(backoff):
+                return
+            backoff = min(backoff * 2, 5.0)

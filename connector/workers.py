@@ -1,0 +1,162 @@
+"""Worker-side halves of the connector (one instance per vLLM worker rank).
+
+Decode: registers the KV caches with NIXL, runs the rank's completion server and NIXL poller,
+and reports released transfers. Prefill: runs the rank's agent and push writer, hands it each
+transfer whose KV the step just computed, and reports blocks it no longer needs.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from connector.config import ConnectorConfig
+from connector.kv_layout import describe
+from connector.messages import PushMetadata, RankHandshake
+from services.common.layout import new_incarnation
+from services.common.logs import get_logger
+from services.common.nixl_engine import NixlEngine
+from services.decode_agent.barrier import Outcome, Released
+from services.decode_agent.rank import DecodeRank, DecodeRankConfig, create_rank
+from services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
+from services.prefill_agent.table import ReleaseBlocks
+
+log = get_logger("connector.worker")
+
+
+def _tp() -> tuple[int, int]:
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+class DecodeWorker:
+    def __init__(self, cfg: ConnectorConfig, model_id: str) -> None:
+        self.cfg = cfg
+        self.model_id = model_id
+        self.incarnation = new_incarnation()
+        self.rank: DecodeRank | None = None
+        self._handshake: RankHandshake | None = None
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        rank, tp = _tp()
+        desc = describe(kv_caches, tp, self.model_id)
+        engine = NixlEngine(f"kvpush-{self.cfg.engine_id}-{self.incarnation[:8]}-d{rank}")
+        engine.register(desc.ranges)
+        rcfg = DecodeRankConfig(
+            engine_id=self.cfg.engine_id,
+            rank=rank,
+            tp_size=tp,
+            shape=desc.shape,
+            host=self.cfg.agent_host,
+            port=self.cfg.port_for(rank),
+            poll_interval_s=self.cfg.poll_interval_us * 1e-6,
+        )
+        self.rank = create_rank(rcfg, engine, desc.regions)
+        layout = self.rank.layout()
+        layout.completion_endpoint = self.cfg.advertised(self.rank.port)
+        self._handshake = RankHandshake(
+            tp_rank=rank,
+            endpoint=layout.completion_endpoint,
+            incarnation=self.incarnation,
+            layout=layout.SerializeToString(),
+            num_blocks=desc.regions.regions[0].num_blocks,
+            shape=desc.shape,
+        )
+        log.info(
+            "decode_worker_ready", rank=rank, endpoint=layout.completion_endpoint, blocks=self._handshake.num_blocks
+        )
+
+    def handshake(self) -> RankHandshake | None:
+        return self._handshake
+
+    def transfer_results(self) -> tuple[set[str], set[str]]:
+        """(finished_recving, failed_recving): each released request exactly once."""
+        done: set[str] = set()
+        failed: set[str] = set()
+        if self.rank is None:
+            return done, failed
+        released: list[Released] = self.rank.take_released()
+        for rel in released:
+            done.add(rel.request_id)
+            if rel.outcome is Outcome.FAILED:
+                failed.add(rel.request_id)
+        return done, failed
+
+    def shutdown(self) -> None:
+        if self.rank is not None:
+            self.rank.stop()
+            self.rank = None
+
+
+class PrefillWorker:
+    def __init__(self, cfg: ConnectorConfig, model_id: str) -> None:
+        self.cfg = cfg
+        self.model_id = model_id
+        self.agent: PrefillAgent | None = None
+        self._handshake: RankHandshake | None = None
+        self._lock = threading.Lock()
+        self._released: set[str] = set()  # request ids the agent no longer needs
+        self._finished: set[str] = set()  # request ids the scheduler has finished
+        self._active: set[str] = set()  # request ids handed to the agent
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        rank, tp = _tp()
+        desc = describe(kv_caches, tp, self.model_id)
+        incarnation = new_incarnation()
+        engine = NixlEngine(f"kvpush-{self.cfg.engine_id}-{incarnation[:8]}-p{rank}")
+        engine.register(desc.ranges)
+        acfg = PrefillAgentConfig(
+            engine_id=self.cfg.engine_id,
+            rank=rank,
+            tp_size=tp,
+            shape=desc.shape,
+            host=self.cfg.agent_host,
+            port=self.cfg.port_for(rank),
+            auth_token=self.cfg.auth_token,
+            prefill_lease_s=self.cfg.prefill_lease_s,
+        )
+        self.agent = PrefillAgent(acfg, engine, desc.regions, incarnation=incarnation, on_release=self._on_release)
+        self.agent.start()
+        self._handshake = RankHandshake(
+            tp_rank=rank,
+            endpoint=self.cfg.advertised(self.agent.port),
+            incarnation=incarnation,
+            num_blocks=desc.regions.regions[0].num_blocks,
+            shape=desc.shape,
+        )
+        log.info("prefill_worker_ready", rank=rank, endpoint=self._handshake.endpoint)
+
+    def handshake(self) -> RankHandshake | None:
+        return self._handshake
+
+    def _on_release(self, rel: ReleaseBlocks) -> None:
+        with self._lock:
+            self._released.add(rel.request_id)
+
+    def wait_for_save(self, meta: PushMetadata | None) -> None:
+        """Runs right after the step's forward: the KV of ``finished_prefills`` is in memory."""
+        if meta is None or self.agent is None:
+            return
+        for fp in meta.finished_prefills:
+            with self._lock:
+                self._active.add(fp.request_id)
+            self.agent.prefill_done(fp.transfer_id, fp.request_id, fp.block_ids, fp.num_tokens)
+        for tid in meta.aborted:
+            self.agent.prefill_aborted(tid)
+
+    def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose blocks may be freed: released by the agent *and* finished by the
+        scheduler (a WRITE can complete before the scheduler has finished the request)."""
+        with self._lock:
+            self._finished |= finished_req_ids & self._active
+            ready = self._released & self._finished
+            self._released -= ready
+            self._finished -= ready
+            self._active -= ready
+        return ready
+
+    def shutdown(self) -> None:
+        if self.agent is not None:
+            self.agent.stop()
+            self.agent = None

@@ -1,0 +1,185 @@
+"""A local 1P1D cluster on real processes: the kvpush scheduler, a prefill vLLM and a decode vLLM
+with ``KvPushConnector``, optionally a plain vLLM as the single-instance baseline.
+
+Used by the demo, the end-to-end tests and the benchmarks. Each vLLM gets its own core.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.common.vllm_server import VllmServer, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def connector_config(role: str, engine_id: str, scheduler: str, http_endpoint: str, **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KvPushConnector",
+        "kv_connector_module_path": "connector.push_connector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "engine_id": engine_id,
+        "kv_connector_extra_config": {"scheduler_address": scheduler, "http_endpoint": http_endpoint, **extra},
+    }
+
+
+def make_model(out: Path) -> Path:
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_tiny_model.py"), str(out)], check=True, timeout=300)
+    return out
+
+
+@dataclass
+class SchedulerProcess:
+    address: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def start_scheduler(log_dir: Path, lease_interval_ms: int = 500) -> SchedulerProcess:
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    log_path = log_dir / "scheduler.log"
+    log = log_path.open("ab")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "services.scheduler.main",
+            "--listen",
+            address,
+            "--lease-interval-ms",
+            str(lease_interval_ms),
+            "--metrics-port",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=REPO,
+    )
+    ch = grpc.insecure_channel(address)
+    try:
+        grpc.channel_ready_future(ch).result(timeout=60)
+    finally:
+        ch.close()
+    return SchedulerProcess(address, proc, log_path)
+
+
+@dataclass
+class PDCluster:
+    scheduler: SchedulerProcess
+    prefill: VllmServer
+    decode: VllmServer
+    baseline: VllmServer | None
+    channel: grpc.Channel = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.channel = grpc.insecure_channel(self.scheduler.address)
+        self.stub = pb_grpc.SchedulerStub(self.channel)
+
+    def wait_registered(self, timeout_s: float = 120.0) -> list[pb.InstanceStatus]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            live = [s for s in self.stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances if s.alive]
+            roles = {s.instance.role for s in live}
+            if {pb.ROLE_PREFILL, pb.ROLE_DECODE} <= roles:
+                return live
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"instances did not register within {timeout_s} s: {live}")
+            time.sleep(0.2)
+
+    def generate(self, prompt: list[int], max_tokens: int, timeout_s: float = 120.0) -> tuple[list[int], float]:
+        """Greedy generation through the scheduler; returns (tokens, ttft seconds)."""
+        tokens: list[int] = []
+        ttft = 0.0
+        req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        for msg in self.stub.Generate(req, timeout=timeout_s):
+            if msg.ttft_seconds and not ttft:
+                ttft = msg.ttft_seconds
+            tokens.extend(msg.token_ids)
+        return tokens, ttft
+
+    def stop(self) -> None:
+        self.channel.close()
+        for srv in (self.prefill, self.decode, self.baseline):
+            if srv is not None:
+                srv.stop()
+        self.scheduler.stop()
+
+
+@contextmanager
+def pd_cluster(
+    model_dir: Path,
+    log_dir: Path,
+    with_baseline: bool = True,
+    kv_cache_memory_bytes: int = 64 << 20,
+    max_num_seqs: int = 16,
+    extra: dict[str, Any] | None = None,
+) -> Iterator[PDCluster]:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cores = sorted(os.sched_getaffinity(0))
+    sched = start_scheduler(log_dir)
+    servers: list[tuple[VllmServer, int]] = []
+    env_common = {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "KVPUSH_LOG_LEVEL": "INFO"}
+    try:
+        for i, role in enumerate(["prefill", "decode"]):
+            port = free_port()
+            core = cores[i % len(cores)]
+            srv = VllmServer(
+                model_dir,
+                port=port,
+                max_num_seqs=max_num_seqs,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                kv_transfer_config=connector_config(
+                    role, f"{role}-0", sched.address, f"http://127.0.0.1:{port}", **(extra or {})
+                ),
+                env={**env_common, "VLLM_CPU_OMP_THREADS_BIND": str(core)},
+                log_path=log_dir / f"{role}.log",
+                ready_timeout=None,
+            )
+            servers.append((srv.start(), core))
+        baseline = None
+        if with_baseline:
+            core = cores[0]
+            baseline = VllmServer(
+                model_dir,
+                max_num_seqs=max_num_seqs,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                env={"VLLM_CPU_OMP_THREADS_BIND": str(core)},
+                log_path=log_dir / "baseline.log",
+                ready_timeout=None,
+            )
+            servers.append((baseline.start(), core))
+        for srv, _ in servers:
+            srv.wait_ready(float(os.environ.get("KVPUSH_VLLM_READY_TIMEOUT", "400")))
+        for srv, core in servers:
+            srv.pin_to_cpu(core)
+        cluster = PDCluster(sched, servers[0][0], servers[1][0], baseline)
+        cluster.wait_registered()
+        yield cluster
+    finally:
+        for srv, _ in servers:
+            srv.stop()
+        sched.stop()
