@@ -3,6 +3,7 @@ able to hold the demand); a policy only ranks them."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -64,6 +65,32 @@ class LeastPressure:
         return self._rng.choice([c for c, s in zip(candidates, scores, strict=True) if s == best])
 
 
+class PrefixAffinity:
+    """Sends requests with the same ``prefix_hint`` to the same decode (rendezvous hashing), so its
+    prefix cache hits and fewer blocks need pushing, as long as that decode's projected pressure is
+    within ``slack`` of the least loaded candidate; the next in hash order otherwise. Requests
+    without a hint use power of two choices."""
+
+    name = "affinity"
+
+    def __init__(self, slack: float = 0.15, rng: random.Random | None = None) -> None:
+        self.slack = slack
+        self._fallback = PowerOfTwoChoices(rng)
+
+    def choose(self, candidates: Sequence[Instance], demand: Demand) -> Instance | None:
+        if not candidates or not demand.prefix_hint:
+            return self._fallback.choose(candidates, demand)
+        scores = {c.engine_id: _projected(c, demand) for c in candidates}
+        bound = min(scores.values()) + self.slack
+        ranked = sorted(candidates, key=lambda c: _rendezvous(demand.prefix_hint, c.engine_id), reverse=True)
+        return next(c for c in ranked if scores[c.engine_id] <= bound)
+
+
+def _rendezvous(key: str, engine_id: str) -> int:
+    digest = hashlib.blake2b(f"{key}\0{engine_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
 class LeastBusy:
     """Prefill policy: least queued/running work (see ``Instance.busyness``); random among ties."""
 
@@ -83,6 +110,7 @@ class LeastBusy:
 DECODE_POLICIES: dict[str, Callable[[], DecodePolicy]] = {
     PowerOfTwoChoices.name: PowerOfTwoChoices,
     LeastPressure.name: LeastPressure,
+    PrefixAffinity.name: PrefixAffinity,
 }
 
 
