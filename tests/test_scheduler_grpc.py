@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -320,8 +323,20 @@ def test_flags_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_main_process_sigterm(tmp_path: Path) -> None:
-    """The console entry point serves, and exits cleanly on SIGTERM."""
-    env = {**os.environ, "KVPUSH_SCHEDULER_LISTEN": "127.0.0.1:0", "KVPUSH_SCHEDULER_METRICS_PORT": "0"}
+    """The console entry point: READY=1 to $NOTIFY_SOCKET, metrics served, clean exit on SIGTERM."""
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    notify.settimeout(WAIT_S * 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        metrics_port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        "KVPUSH_SCHEDULER_LISTEN": "127.0.0.1:0",
+        "KVPUSH_SCHEDULER_METRICS_PORT": str(metrics_port),
+        "KVPUSH_SCHEDULER_METRICS_ADDR": "127.0.0.1",
+        "NOTIFY_SOCKET": str(tmp_path / "notify.sock"),
+    }
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.scheduler.main"],
         env=env,
@@ -331,12 +346,18 @@ def test_main_process_sigterm(tmp_path: Path) -> None:
     )
     try:
         assert proc.stderr is not None
-        lines = [proc.stderr.readline(), proc.stderr.readline()]  # blocks until the server is ready
-        assert '"event": "scheduler_started"' in lines[0] and '"event": "scheduler_ready"' in lines[1]
+        ready = notify.recv(4096).decode()  # blocks until the server says it is ready
+        assert ready.startswith("READY=1") and "serving on 127.0.0.1:" in ready
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=WAIT_S) as resp:
+            assert b"kvpush_scheduler_instances" in resp.read()
         proc.send_signal(signal.SIGTERM)
+        assert notify.recv(4096).decode() == "STOPPING=1"
         rest = proc.stderr.read()
         assert proc.wait(timeout=WAIT_S * 2) == 0
-        assert '"event": "scheduler_stopped"' in rest
+        events = [json.loads(line)["event"] for line in rest.splitlines() if line.startswith("{")]
+        assert events[0] == "scheduler_started" and "scheduler_ready" in events
+        assert events[-2:] == ["scheduler_stopping", "scheduler_stopped"]
     finally:
+        notify.close()
         if proc.poll() is None:
             proc.kill()

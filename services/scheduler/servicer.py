@@ -392,7 +392,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             self.metrics.generate.labels(outcome.value).inc()
             if rec.state is State.OPEN:
                 self.registry.release(rec.transfer_id, rec.epoch, outcome, reason)
-            self.metrics.releases.labels(outcome.value).inc()
+                self.metrics.releases.labels(outcome.value).inc()
             log.info(
                 "generate_finished",
                 outcome=outcome.value,
