@@ -87,6 +87,13 @@ def start_scheduler(log_dir: Path, lease_interval_ms: int = 500) -> SchedulerPro
     return SchedulerProcess(address, proc, log_path)
 
 
+@dataclass(frozen=True)
+class Timed:
+    tokens: list[int]
+    ttft_s: float
+    tpot_s: float
+
+
 @dataclass
 class PDCluster:
     scheduler: SchedulerProcess
@@ -112,14 +119,24 @@ class PDCluster:
 
     def generate(self, prompt: list[int], max_tokens: int, timeout_s: float = 120.0) -> tuple[list[int], float]:
         """Greedy generation through the scheduler; returns (tokens, ttft seconds)."""
+        r = self.generate_timed(prompt, max_tokens, timeout_s)
+        return r.tokens, r.ttft_s
+
+    def generate_timed(self, prompt: list[int], max_tokens: int, timeout_s: float = 120.0) -> Timed:
+        """Greedy generation with client-side timings: TTFT, and TPOT over the later tokens."""
         tokens: list[int] = []
-        ttft = 0.0
+        start = time.perf_counter()
+        first = last = 0.0
         req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         for msg in self.stub.Generate(req, timeout=timeout_s):
-            if msg.ttft_seconds and not ttft:
-                ttft = msg.ttft_seconds
-            tokens.extend(msg.token_ids)
-        return tokens, ttft
+            if msg.token_ids:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                tokens.extend(msg.token_ids)
+        ttft = first - start
+        tpot = (last - first) / (len(tokens) - 1) if len(tokens) > 1 else 0.0
+        return Timed(tokens, ttft, tpot)
 
     def stop(self) -> None:
         self.channel.close()

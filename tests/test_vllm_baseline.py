@@ -15,8 +15,6 @@ import pytest
 
 from services.common.vllm_server import VllmServer, acomplete, complete
 
-pytest_plugins = ["vllm_fixtures"]
-
 pytestmark = pytest.mark.vllm
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,130 @@
+"""1P1D on real vLLM: scheduler + prefill vLLM + decode vLLM with KvPushConnector, against one
+plain vLLM. Greedy outputs through ``Generate`` must equal the single instance token for token."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvpush.v1 import kvpush_pb2 as pb
+from scripts.pd_cluster import PDCluster, pd_cluster
+from services.common.vllm_server import complete
+
+pytestmark = pytest.mark.vllm
+
+BLOCK = 128  # vLLM's CPU block size
+# One block, many blocks, exact multiples and not, up to the model length.
+LENGTHS = [50, 127, 128, 129, 200, 255, 256, 257, 300, 383, 384, 450, 512, 640, 777, 900]
+MAX_TOKENS = 12
+
+
+def prompt_of(n: int, seed: int = 0) -> list[int]:
+    return [(37 * j + 11 * seed) % 1000 + 3 for j in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
+    with pd_cluster(tiny_model_dir, tmp_path_factory.mktemp("pd-logs")) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def expected(cluster: PDCluster) -> dict[int, list[int]]:
+    assert cluster.baseline is not None
+    return {n: complete(cluster.baseline.base_url, prompt_of(n), MAX_TOKENS)[0] for n in LENGTHS}
+
+
+def _decode_free_blocks(c: PDCluster) -> int:
+    for s in c.stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances:
+        if s.instance.role == pb.ROLE_DECODE:
+            return s.load.free_blocks
+    raise AssertionError("no decode instance registered")
+
+
+def _wait_free_blocks(c: PDCluster, want: int, timeout_s: float = 30.0) -> int:
+    """Polls the decode load reports (sent every 500 ms) until they show ``want`` free blocks."""
+    deadline = time.monotonic() + timeout_s
+    got = _decode_free_blocks(c)
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.25)
+        got = _decode_free_blocks(c)
+    return got
+
+
+@pytest.fixture(scope="module")
+def free_baseline(cluster: PDCluster) -> int:
+    # One warm-up request, then the idle count.
+    cluster.generate(prompt_of(100, seed=99), 2)
+    time.sleep(1.2)  # two load-report intervals: the idle count is settled
+    return _decode_free_blocks(cluster)
+
+
+def test_sequential_outputs_equal_single_instance(cluster: PDCluster, expected: dict[int, list[int]]) -> None:
+    for n in LENGTHS:
+        tokens, ttft = cluster.generate(prompt_of(n), MAX_TOKENS)
+        assert tokens == expected[n], f"prompt of {n} tokens"
+        assert ttft > 0
+
+
+def test_concurrent_outputs_equal_single_instance(cluster: PDCluster, expected: dict[int, list[int]]) -> None:
+    with ThreadPoolExecutor(len(LENGTHS)) as pool:
+        results = list(pool.map(lambda n: cluster.generate(prompt_of(n), MAX_TOKENS)[0], LENGTHS))
+    assert results == [expected[n] for n in LENGTHS]
+
+
+def test_transferred_kv_is_what_decode_uses(cluster: PDCluster) -> None:
+    """Decode never recomputes the prompt: a decode-only request with the same params and no
+    prefill would wait; here the prefill leg's KV is the only source. Different prompts give
+    different outputs, so equality with the baseline cannot be a coincidence."""
+    a, _ = cluster.generate(prompt_of(300, seed=1), MAX_TOKENS)
+    b, _ = cluster.generate(prompt_of(300, seed=2), MAX_TOKENS)
+    assert a != b
+
+
+def test_aborts_mid_flight_leave_no_blocks_behind(cluster: PDCluster, free_baseline: int) -> None:
+    for i, deadline_ms in enumerate([5, 20, 50, 100, 200, 400]):
+        req = pb.GenerateRequest(
+            prompt_token_ids=prompt_of(900, seed=10 + i), max_tokens=200, temperature=0.0, ignore_eos=True
+        )
+        with pytest.raises(grpc.RpcError) as err:
+            for _ in cluster.stub.Generate(req, timeout=deadline_ms / 1e3):
+                pass
+        assert err.value.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+    # The cluster still serves correctly, and decode's free blocks come back to the idle count.
+    tokens, _ = cluster.generate(prompt_of(129), MAX_TOKENS)
+    assert tokens == complete(cluster.baseline.base_url, prompt_of(129), MAX_TOKENS)[0]  # type: ignore[union-attr]
+    assert _wait_free_blocks(cluster, free_baseline) == free_baseline
+
+
+def test_free_blocks_return_to_baseline_after_load(cluster: PDCluster, free_baseline: int) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: cluster.generate(prompt_of(200 + 37 * i, seed=i), 4), range(16)))
+    assert _wait_free_blocks(cluster, free_baseline) == free_baseline
+
+
+def test_killed_prefill_fails_requests_fast(cluster: PDCluster) -> None:
+    """Runs last in this module: it kills the prefill instance."""
+    results: list[BaseException | None] = []
+
+    def one() -> None:
+        try:
+            cluster.generate(prompt_of(900, seed=77), 50, timeout_s=60)
+            results.append(None)
+        except grpc.RpcError as exc:
+            results.append(exc)
+
+    t = threading.Thread(target=one)
+    t.start()
+    cluster.prefill.stop(timeout=1.0)
+    t.join(90)
+    assert not t.is_alive(), "a request hung after its prefill died"
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError):
+        cluster.generate(prompt_of(300, seed=78), 8, timeout_s=60)
+    assert time.monotonic() - started < 30
