@@ -10,10 +10,12 @@ each acked or its stream stayed lost for the grace period.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -62,6 +64,7 @@ class _Pending:
     reserve_called: float
     task: asyncio.Task[None] | None = None
     after: asyncio.Event | None = None  # an older epoch whose fence must settle first
+    expected: asyncio.Future[Any] | None = None  # the ranks' Expect calls
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # set when forgotten
 
 
@@ -219,36 +222,36 @@ class DecodeAgent:
             await p.after.wait()
             if t.state is not DecodeState.RESERVED:
                 return
-        try:
-            await asyncio.gather(
-                *(
-                    stub.Expect(
-                        pb.Expectation(
-                            transfer_id=t.transfer_id,
-                            epoch=t.epoch,
-                            request_id=t.request_id,
-                            prefill_ranks=prefill_ranks_into(
-                                self.config.shape.total_kv_heads, leg.prefill_tp_size, self.config.tp_size, d
-                            ),
-                            prefill_engine_id=leg.prefill_engine_id,
-                        ),
-                        timeout=self.config.rpc_timeout_s,
-                    )
-                    for d, stub in enumerate(self._rank_stubs)
-                )
-            )
-        except (grpc.aio.AioRpcError, ValueError) as exc:
-            detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
-            self._fence(p, DecodeState.FAILED, f"decode rank refused the expectation: {detail}")
-            return
-        if t.state is not DecodeState.RESERVED:
-            return  # cancelled while registering; the fence settles it
         if len(leg.prefill_agent_endpoints) != leg.prefill_tp_size or len(leg.prefill_rank_incarnations) not in (
             0,
             leg.prefill_tp_size,
         ):
             self._fence(p, DecodeState.FAILED, "prefill endpoints or incarnations do not match its TP size")
             return
+        try:
+            expectations = [
+                pb.Expectation(
+                    transfer_id=t.transfer_id,
+                    epoch=t.epoch,
+                    request_id=t.request_id,
+                    prefill_ranks=prefill_ranks_into(
+                        self.config.shape.total_kv_heads, leg.prefill_tp_size, self.config.tp_size, d
+                    ),
+                    prefill_engine_id=leg.prefill_engine_id,
+                )
+                for d in range(self.config.tp_size)
+            ]
+        except ValueError as exc:
+            self._fence(p, DecodeState.FAILED, f"cannot map prefill TP {leg.prefill_tp_size}: {exc}")
+            return
+        # The ranks learn the expectation while the reservation travels: a completion that
+        # overtakes its expectation waits for it at the rank, so neither sits on the other's path.
+        p.expected = asyncio.gather(
+            *(
+                stub.Expect(e, timeout=self.config.rpc_timeout_s)
+                for stub, e in zip(self._rank_stubs, expectations, strict=True)
+            )
+        )
         msg = pb.DecodeMessage(
             reservation=pb.Reservation(
                 transfer_id=t.transfer_id,
@@ -278,6 +281,10 @@ class DecodeAgent:
         metrics.RESERVATIONS.inc()
         metrics.PUBLISH_SECONDS.observe(time.monotonic() - p.reserve_called)
         log.debug("reservation_published", transfer_id=t.transfer_id, epoch=t.epoch, links=len(t.links))
+        try:
+            await p.expected
+        except grpc.aio.AioRpcError as exc:
+            self._fence(p, DecodeState.FAILED, f"decode rank refused the expectation: {exc.details()}")
 
     @staticmethod
     async def _wait_ready(link: PrefillLink) -> None:
@@ -445,6 +452,9 @@ class DecodeAgent:
 
     async def _settle_ranks(self, p: _Pending, state: DecodeState) -> None:
         t = p.transfer
+        if p.expected is not None:
+            with contextlib.suppress(Exception):
+                await p.expected  # a settlement never overtakes its expectation
         status = pb.TRANSFER_STATUS_CANCELLED if state is DecodeState.CANCELLED else pb.TRANSFER_STATUS_FAILED
         results = await asyncio.gather(
             *(

@@ -67,9 +67,10 @@ class BarrierTable:
     def __init__(self, tombstone_s: float = 60.0) -> None:
         self.tombstone_s = tombstone_s
         self._barriers: dict[str, CompletionBarrier] = {}
+        self._pending = 0
 
     def pending_count(self) -> int:
-        return sum(1 for b in self._barriers.values() if b.state is not BarrierState.RELEASED)
+        return self._pending
 
     def get(self, transfer_id: str) -> CompletionBarrier | None:
         return self._barriers.get(transfer_id)
@@ -98,6 +99,7 @@ class BarrierTable:
         self._barriers[transfer_id] = CompletionBarrier(
             transfer_id, epoch, request_id, frozenset(prefill_ranks), prefill_engine_id, now
         )
+        self._pending += 1
 
     def complete(
         self,
@@ -168,7 +170,7 @@ class BarrierTable:
         ]:
             del self._barriers[tid]
 
-    @staticmethod
-    def _release(b: CompletionBarrier, outcome: Outcome, reason: str, now: float) -> Released:
+    def _release(self, b: CompletionBarrier, outcome: Outcome, reason: str, now: float) -> Released:
         b.state, b.outcome, b.released_at = BarrierState.RELEASED, outcome, now
+        self._pending -= 1
         return Released(b.transfer_id, b.epoch, b.request_id, outcome, reason)

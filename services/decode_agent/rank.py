@@ -9,6 +9,8 @@ worker reports them from ``get_finished``).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +43,9 @@ class DecodeRankConfig:
     port: int = 0
     poll_interval_s: float = 100e-6  # NIXL progress cadence while transfers are expected
     tombstone_s: float = 60.0
+    # The agent publishes a reservation and registers it here concurrently; a completion that
+    # overtakes its expectation waits this long for it before it is refused as unknown.
+    expect_wait_s: float = 2.0
 
 
 class DecodeRank(pb_grpc.DecodeRankServicer):
@@ -62,6 +67,8 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self._server: grpc.aio.Server | None = None
         self.port = 0
         self._active = threading.Event()  # set while any barrier waits
+        self._expected: dict[str, asyncio.Event] = {}  # completions waiting for their expectation
+        self._next_expiry = 0.0
         self._stopping = threading.Event()
         self._poller = threading.Thread(target=self._poll, name=f"kvpush-nixl-poller-{config.rank}", daemon=True)
 
@@ -156,7 +163,9 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
 
     async def Expect(self, request: pb.Expectation, context: grpc.aio.ServicerContext) -> pb.ExpectAck:  # noqa: N802
         now = time.monotonic()
-        self.table.expire(now)
+        if now >= self._next_expiry:
+            self.table.expire(now)
+            self._next_expiry = now + 1.0
         try:
             self.table.expect(
                 request.transfer_id,
@@ -170,7 +179,20 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             log.warning("expect_refused", transfer_id=request.transfer_id, code=exc.code.name, reason=exc.message)
             await context.abort(exc.code, exc.message)
         self._update_active()
+        waiter = self._expected.pop(request.transfer_id, None)
+        if waiter is not None:
+            waiter.set()
         return pb.ExpectAck()
+
+    async def _await_expectation(self, transfer_id: str, epoch: int) -> None:
+        b = self.table.get(transfer_id)
+        if b is not None and b.epoch >= epoch:
+            return
+        waiter = self._expected.setdefault(transfer_id, asyncio.Event())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(waiter.wait(), self.config.expect_wait_s)
+        if self._expected.get(transfer_id) is waiter and not waiter.is_set():
+            del self._expected[transfer_id]
 
     async def Complete(self, request: pb.Completion, context: grpc.aio.ServicerContext) -> pb.CompletionAck:  # noqa: N802
         if request.decode_rank != self.config.rank:
@@ -181,6 +203,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             )
         if request.status not in (pb.TRANSFER_STATUS_OK, pb.TRANSFER_STATUS_FAILED):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "completion status must be OK or FAILED")
+        await self._await_expectation(request.transfer_id, request.epoch)
         try:
             rel = self.table.complete(
                 request.transfer_id,

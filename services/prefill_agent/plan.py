@@ -44,18 +44,41 @@ class WritePlan:
         return len(self.local)
 
 
-def merge_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[BlockRun]:
-    """Splits paired block ids into runs contiguous on both sides."""
+@dataclass(frozen=True)
+class BlockRuns:
+    """Runs as parallel arrays: run i copies ``lengths[i]`` blocks from ``src_starts[i]`` to ``dst_starts[i]``."""
+
+    src_starts: np.ndarray
+    dst_starts: np.ndarray
+    lengths: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def as_list(self) -> list[BlockRun]:
+        return [
+            BlockRun(int(s), int(d), int(n))
+            for s, d, n in zip(self.src_starts, self.dst_starts, self.lengths, strict=True)
+        ]
+
+
+def block_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> BlockRuns:
+    """Splits paired block ids into runs contiguous on both sides (vectorised)."""
     if len(src_ids) != len(dst_ids):
         raise PlanError(f"block count mismatch: {len(src_ids)} source vs {len(dst_ids)} destination blocks")
-    if not len(src_ids):
-        return []
     src = np.asarray(src_ids, dtype=np.int64)
     dst = np.asarray(dst_ids, dtype=np.int64)
+    if not len(src):
+        empty = np.zeros(0, dtype=np.uint64)
+        return BlockRuns(empty, empty, empty)
     breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(src)]))
-    return [BlockRun(int(src[s]), int(dst[s]), int(e - s)) for s, e in zip(starts, ends, strict=True)]
+    return BlockRuns(src[starts].astype(np.uint64), dst[starts].astype(np.uint64), (ends - starts).astype(np.uint64))
+
+
+def merge_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[BlockRun]:
+    return block_runs(src_ids, dst_ids).as_list()
 
 
 def check_block_ids(ids: Sequence[int], regions: Sequence[Region], group: int, side: str) -> None:
@@ -96,7 +119,7 @@ def plan_writes(
     dst_off = head_slice.dst_head * head_bytes
     nbytes = head_slice.num_heads * head_bytes
     whole = nbytes == src.block_bytes == dst.block_bytes
-    runs_per_group = [merge_runs(s, d) for s, d in zip(src_ids, dst_ids, strict=True)] if whole else []
+    runs_per_group = [block_runs(s, d) for s, d in zip(src_ids, dst_ids, strict=True)] if whole else []
     ids_per_group = [
         (np.asarray(s, dtype=np.uint64), np.asarray(d, dtype=np.uint64)) for s, d in zip(src_ids, dst_ids, strict=True)
     ]
@@ -112,13 +135,11 @@ def plan_writes(
         packed = whole and s_reg.block_stride == src.block_bytes and d_reg.block_stride == dst.block_bytes
         if packed:
             runs = runs_per_group[g]
-            if not runs:
+            if not len(runs):
                 continue
-            s_start = np.fromiter((r.src_start for r in runs), dtype=np.uint64, count=len(runs))
-            d_start = np.fromiter((r.dst_start for r in runs), dtype=np.uint64, count=len(runs))
-            lens = np.fromiter((r.length for r in runs), dtype=np.uint64, count=len(runs)) * np.uint64(nbytes)
-            s_addr = np.uint64(s_reg.base_addr) + s_start * np.uint64(s_reg.block_stride)
-            d_addr = np.uint64(d_reg.base_addr) + d_start * np.uint64(d_reg.block_stride)
+            lens = runs.lengths * np.uint64(nbytes)
+            s_addr = np.uint64(s_reg.base_addr) + runs.src_starts * np.uint64(s_reg.block_stride)
+            d_addr = np.uint64(d_reg.base_addr) + runs.dst_starts * np.uint64(d_reg.block_stride)
         else:
             s_blocks, d_blocks = ids_per_group[g]
             if not len(s_blocks):
