@@ -6,11 +6,15 @@ export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install lock proto proto-check test test-core lint bench bench-transfer bench-scheduler demo install-systemd clean
+.PHONY: install system-deps lock proto proto-check test test-core lint bench bench-transfer bench-scheduler demo install-systemd clean
 
 # Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
 install:
 	@scripts/install.sh
+
+# systemd-analyze for the unit-file test (apt, when missing and root).
+system-deps:
+	@scripts/system_deps.sh
 
 lock:
 	UV=.venv/bin/uv scripts/lock.sh
@@ -32,8 +36,9 @@ lint: install
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 
-test: install proto-check lint
-	$(PY) -m pytest -q -ra tests
+# Everything CI runs: generated-code check, lint, every test (real gRPC, NIXL and vLLM).
+test: install system-deps proto-check lint
+	$(PY) -m pytest -q -ra --durations=15 tests
 
 test-core: install
 	$(PY) -m pytest -q -ra -m "not vllm" tests
