@@ -20,11 +20,13 @@ import gc
 import json
 import os
 import platform
+import resource
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -203,13 +205,76 @@ async def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout: fl
             await asyncio.sleep(0.1)
 
 
+def _proc_cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _self_cpu_s() -> float:
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+class _EchoScheduler(pb_grpc.SchedulerServicer):
+    """The gRPC floor: same service and messages, no scheduling logic."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._reply = pb.Assignment(epoch=1)
+
+    async def Register(self, request: pb.RegisterRequest, context: Any) -> pb.RegisterResponse:
+        return pb.RegisterResponse(lease_interval_ms=1000, lease_misses=10)
+
+    async def ReportLoad(self, request_iterator: Any, context: Any) -> Any:
+        async for _ in request_iterator:
+            yield pb.LoadAck()
+
+    async def Assign(self, request: pb.AssignRequest, context: Any) -> pb.Assignment:
+        self._n += 1
+        return pb.Assignment(transfer_id=str(self._n), epoch=1)
+
+    async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse()
+
+
+async def _serve_echo(address: str) -> None:
+    from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection
+
+    server = grpc.aio.server(options=SERVER_OPTIONS, migration_thread_pool=ThreadPoolExecutor(2))
+    pb_grpc.add_SchedulerServicer_to_server(_EchoScheduler(), server)
+    add_health_and_reflection(server, ["Scheduler"])
+    server.add_insecure_port(address)
+    await server.start()
+    await server.wait_for_termination()
+
+
+async def _closed_loop_cpu(bench: Bench, pid: int, workers: int, seconds: float) -> dict[str, Any]:
+    s0, c0 = _proc_cpu_s(pid), _self_cpu_s()
+    res = await bench.closed_loop(workers, seconds)
+    n = max(1, res["completed"])
+    res["server_cpu_us_per_pair"] = (_proc_cpu_s(pid) - s0) / n * 1e6
+    res["client_cpu_us_per_pair"] = (_self_cpu_s() - c0) / n * 1e6
+    return res
+
+
+def _start(argv: list[str]) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     port, metrics_port = _free_port(), _free_port()
     address = f"127.0.0.1:{port}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(
+    proc = _start(
         [
-            sys.executable,
             "-m",
             "services.scheduler.main",
             "--listen",
@@ -225,10 +290,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "10",
             "--log-level",
             "WARNING",
-        ],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
+        ]
     )
     try:
         await _wait_serving(address, proc)
@@ -243,15 +305,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results[-1]["server_side"] = _histogram_delta(before, _server_histogram(metrics_port))
         if args.workers:
             before = _server_histogram(metrics_port)
-            results.append(await bench.closed_loop(args.workers, args.seconds))
+            results.append(await _closed_loop_cpu(bench, proc.pid, args.workers, args.seconds))
             results[-1]["server_side"] = _histogram_delta(before, _server_histogram(metrics_port))
         await bench.close()
     finally:
-        proc.terminate()
+        _stop(proc)
+    if args.workers and args.baseline:
+        address = f"127.0.0.1:{_free_port()}"
+        proc = _start(["-m", "benchmarks.scheduler", "--serve-echo", address])
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            await _wait_serving(address, proc)
+            bench = Bench(address, args.channels)
+            await bench.register(args.decodes, args.prefills)
+            await bench.closed_loop(args.workers, 1.0)  # warm-up
+            floor = await _closed_loop_cpu(bench, proc.pid, args.workers, args.seconds)
+            floor["phase"] = f"gRPC floor (echo servicer), {args.workers} workers"
+            results.append(floor)
+            await bench.close()
+        finally:
+            _stop(proc)
     return {
         "benchmark": "scheduler Assign",
         "host": {
@@ -268,7 +340,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "seconds": args.seconds,
             "note": "client-observed Assign round trip (Releases not timed: 'inline' = sent by the same task "
             "right after its Assign, 'after' = all sent once the phase ends); scheduler in its own process, "
-            "clients in this one, same host",
+            "clients in this one, same host; CPU per Assign+Release pair from /proc and getrusage; the "
+            "gRPC floor is the same load against a servicer without any logic",
         },
         "results": results,
         "goal": {"rate_rps": 1000, "p99_ms": 2.0},
@@ -294,18 +367,27 @@ def _histogram_delta(before: dict[float, float], after: dict[float, float]) -> d
     return res
 
 
+def _share(r: dict[str, Any], key: str) -> str:
+    return f"{r['server_side'][key]:.1%}" if "server_side" in r else "–"
+
+
+def _num(r: dict[str, Any], key: str) -> str:
+    return f"{r[key]:.0f}" if key in r else "–"
+
+
 def _table(report: dict[str, Any]) -> str:
     rows = [
         "| phase | offered req/s | achieved req/s | completed | errors | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms "
-        "| server-side ≤ 0.25 ms | server-side ≤ 1 ms |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server-side ≤ 0.25 ms | server-side ≤ 1 ms | server CPU µs/pair | client CPU µs/pair |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
         offered = f"{r['offered_rps']:.0f}" if r["offered_rps"] else "max"
         rows.append(
             f"| {r['phase']} | {offered} | {r['achieved_rps']:.0f} | {r['completed']} | {r['errors']} | "
             f"{r['p50_ms']:.3f} | {r['p90_ms']:.3f} | {r['p99_ms']:.3f} | {r['p999_ms']:.3f} | {r['max_ms']:.3f} | "
-            f"{r['server_side']['share_le_0.25ms']:.1%} | {r['server_side']['share_le_1ms']:.1%} |"
+            f"{_share(r, 'share_le_0.25ms')} | {_share(r, 'share_le_1ms')} | "
+            f"{_num(r, 'server_cpu_us_per_pair')} | {_num(r, 'client_cpu_us_per_pair')} |"
         )
     host = report["host"]
     rows.append(
@@ -325,7 +407,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--decodes", type=int, default=8)
     p.add_argument("--prefills", type=int, default=4)
     p.add_argument("--out", default=str(ROOT / "bench-results/scheduler.json"))
+    p.add_argument(
+        "--baseline",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="1: repeat the closed loop against a servicer without logic (the gRPC floor)",
+    )
+    p.add_argument("--serve-echo", metavar="ADDR", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.serve_echo:
+        asyncio.run(_serve_echo(args.serve_echo))
+        return
     # Fewer, shorter collector pauses in the client: its own tail latency is part of what we measure.
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)
