@@ -45,6 +45,10 @@ class DecodeAgentConfig:
     rpc_timeout_s: float = 5.0
 
 
+class ExpectationRefused(Exception):
+    """A decode rank refused (or could not take) an expectation."""
+
+
 @dataclass(frozen=True)
 class Settled:
     transfer_id: str
@@ -111,6 +115,9 @@ class DecodeAgent:
         self._lost: dict[str, float] = {}  # endpoint -> grace deadline of its last lost stream
         self._rank_channels: list[grpc.aio.Channel] = []
         self._rank_stubs: list[pb_grpc.DecodeRankStub] = []
+        self._expect_batches: list[list[tuple[pb.Expectation, asyncio.Future[None]]]] = [
+            [] for _ in range(config.tp_size)
+        ]
 
     # ----- lifecycle ----------------------------------------------------------------------
 
@@ -246,12 +253,7 @@ class DecodeAgent:
             return
         # The ranks learn the expectation while the reservation travels: a completion that
         # overtakes its expectation waits for it at the rank, so neither sits on the other's path.
-        p.expected = asyncio.gather(
-            *(
-                stub.Expect(e, timeout=self.config.rpc_timeout_s)
-                for stub, e in zip(self._rank_stubs, expectations, strict=True)
-            )
-        )
+        p.expected = asyncio.gather(*(self._expect(rank, e) for rank, e in enumerate(expectations)))
         msg = pb.DecodeMessage(
             reservation=pb.Reservation(
                 transfer_id=t.transfer_id,
@@ -283,8 +285,41 @@ class DecodeAgent:
         log.debug("reservation_published", transfer_id=t.transfer_id, epoch=t.epoch, links=len(t.links))
         try:
             await p.expected
+        except ExpectationRefused as exc:
+            self._fence(p, DecodeState.FAILED, f"decode rank refused the expectation: {exc}")
+
+    def _expect(self, rank: int, expectation: pb.Expectation) -> asyncio.Future[None]:
+        """Queues an expectation for a rank; everything queued in one loop turn goes in one call."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        batch = self._expect_batches[rank]
+        batch.append((expectation, fut))
+        if len(batch) == 1:
+            asyncio.get_running_loop().call_soon(self._flush_expectations, rank)
+        return fut
+
+    def _flush_expectations(self, rank: int) -> None:
+        batch, self._expect_batches[rank] = self._expect_batches[rank], []
+        if batch:
+            asyncio.get_running_loop().create_task(self._send_expectations(rank, batch))
+
+    async def _send_expectations(self, rank: int, batch: list[tuple[pb.Expectation, asyncio.Future[None]]]) -> None:
+        try:
+            resp = await self._rank_stubs[rank].Expect(
+                pb.ExpectRequest(expectations=[e for e, _ in batch]), timeout=self.config.rpc_timeout_s
+            )
+            results = list(resp.results)
         except grpc.aio.AioRpcError as exc:
-            self._fence(p, DecodeState.FAILED, f"decode rank refused the expectation: {exc.details()}")
+            results = [pb.ExpectResult(code=exc.code().value[0], message=exc.details() or "")] * len(batch)
+        for (_, fut), result in zip(batch, results, strict=False):
+            if fut.done():
+                continue
+            if result.code:
+                fut.set_exception(ExpectationRefused(f"rank {rank}: {result.message}"))
+            else:
+                fut.set_result(None)
+        for _, fut in batch[len(results) :]:
+            if not fut.done():
+                fut.set_exception(ExpectationRefused(f"rank {rank}: short Expect response"))
 
     @staticmethod
     async def _wait_ready(link: PrefillLink) -> None:

@@ -161,28 +161,24 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
 
     # ----- gRPC ---------------------------------------------------------------------------
 
-    async def Expect(self, request: pb.Expectation, context: grpc.aio.ServicerContext) -> pb.ExpectAck:  # noqa: N802
+    async def Expect(self, request: pb.ExpectRequest, context: grpc.aio.ServicerContext) -> pb.ExpectResponse:  # noqa: N802
         now = time.monotonic()
         if now >= self._next_expiry:
             self.table.expire(now)
             self._next_expiry = now + 1.0
-        try:
-            self.table.expect(
-                request.transfer_id,
-                request.epoch,
-                request.request_id,
-                list(request.prefill_ranks),
-                request.prefill_engine_id,
-                now,
-            )
-        except CompletionError as exc:
-            log.warning("expect_refused", transfer_id=request.transfer_id, code=exc.code.name, reason=exc.message)
-            await context.abort(exc.code, exc.message)
+        results = []
+        for e in request.expectations:
+            try:
+                self.table.expect(e.transfer_id, e.epoch, e.request_id, list(e.prefill_ranks), e.prefill_engine_id, now)
+                results.append(pb.ExpectResult())
+            except CompletionError as exc:
+                log.warning("expect_refused", transfer_id=e.transfer_id, code=exc.code.name, reason=exc.message)
+                results.append(pb.ExpectResult(code=exc.code.value[0], message=exc.message))
+            waiter = self._expected.pop(e.transfer_id, None)
+            if waiter is not None:
+                waiter.set()
         self._update_active()
-        waiter = self._expected.pop(request.transfer_id, None)
-        if waiter is not None:
-            waiter.set()
-        return pb.ExpectAck()
+        return pb.ExpectResponse(results=results)
 
     async def _await_expectation(self, transfer_id: str, epoch: int) -> None:
         b = self.table.get(transfer_id)

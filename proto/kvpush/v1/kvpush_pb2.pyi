@@ -656,19 +656,68 @@ class Expectation(_message.Message):
 Global___Expectation: _TypeAlias = Expectation  # noqa: Y015
 
 @_typing.final
-class ExpectAck(_message.Message):
+class ExpectRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    EXPECTATIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def expectations(self) -> _containers.RepeatedCompositeFieldContainer[Global___Expectation]: ...
     def __init__(
         self,
+        *,
+        expectations: _abc.Iterable[Global___Expectation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expectations", b"expectations"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ExpectAck: _TypeAlias = ExpectAck  # noqa: Y015
+Global___ExpectRequest: _TypeAlias = ExpectRequest  # noqa: Y015
+
+@_typing.final
+class ExpectResult(_message.Message):
+    """One result per expectation, in order: code 0 (OK) or a grpc.StatusCode value and a message."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExpectResult: _TypeAlias = ExpectResult  # noqa: Y015
+
+@_typing.final
+class ExpectResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___ExpectResult]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___ExpectResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExpectResponse: _TypeAlias = ExpectResponse  # noqa: Y015
 
 @_typing.final
 class Settlement(_message.Message):

@@ -131,8 +131,8 @@ class DecodeRankStub:
                 _registered_method=True)
         self.Expect = channel.unary_unary(
                 '/kvpush.v1.DecodeRank/Expect',
-                request_serializer=kvpush_dot_v1_dot_kvpush__pb2.Expectation.SerializeToString,
-                response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.ExpectAck.FromString,
+                request_serializer=kvpush_dot_v1_dot_kvpush__pb2.ExpectRequest.SerializeToString,
+                response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.ExpectResponse.FromString,
                 _registered_method=True)
         self.Settle = channel.unary_unary(
                 '/kvpush.v1.DecodeRank/Settle',
@@ -155,8 +155,9 @@ class DecodeRankServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Expect(self, request, context):
-        """The decode agent tells its rank which prefill ranks will write a transfer before it is
-        published, so completions can be validated.
+        """The decode agent tells its rank which prefill ranks will write each transfer, while the
+        reservation travels to prefill; a completion that overtakes its expectation waits for it.
+        Expectations queued together travel in one call.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -181,8 +182,8 @@ def add_DecodeRankServicer_to_server(servicer, server):
             ),
             'Expect': grpc.unary_unary_rpc_method_handler(
                     servicer.Expect,
-                    request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.Expectation.FromString,
-                    response_serializer=kvpush_dot_v1_dot_kvpush__pb2.ExpectAck.SerializeToString,
+                    request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.ExpectRequest.FromString,
+                    response_serializer=kvpush_dot_v1_dot_kvpush__pb2.ExpectResponse.SerializeToString,
             ),
             'Settle': grpc.unary_unary_rpc_method_handler(
                     servicer.Settle,
@@ -246,8 +247,8 @@ class DecodeRank:
             request,
             target,
             '/kvpush.v1.DecodeRank/Expect',
-            kvpush_dot_v1_dot_kvpush__pb2.Expectation.SerializeToString,
-            kvpush_dot_v1_dot_kvpush__pb2.ExpectAck.FromString,
+            kvpush_dot_v1_dot_kvpush__pb2.ExpectRequest.SerializeToString,
+            kvpush_dot_v1_dot_kvpush__pb2.ExpectResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -93,9 +93,10 @@ class DecodeRankStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> DecodeRankAsyncStub: ...
     Complete: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.Completion, _kvpush_pb2.CompletionAck]
-    Expect: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.Expectation, _kvpush_pb2.ExpectAck]
-    """The decode agent tells its rank which prefill ranks will write a transfer before it is
-    published, so completions can be validated.
+    Expect: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.ExpectRequest, _kvpush_pb2.ExpectResponse]
+    """The decode agent tells its rank which prefill ranks will write each transfer, while the
+    reservation travels to prefill; a completion that overtakes its expectation waits for it.
+    Expectations queued together travel in one call.
     """
     Settle: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.Settlement, _kvpush_pb2.SettleAck]
     """The decode agent's final word on a transfer that did not complete: no WRITE for the epoch
@@ -112,9 +113,10 @@ class DecodeRankAsyncStub(DecodeRankStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Complete: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.Completion, _kvpush_pb2.CompletionAck]  # type: ignore[assignment]
-    Expect: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.Expectation, _kvpush_pb2.ExpectAck]  # type: ignore[assignment]
-    """The decode agent tells its rank which prefill ranks will write a transfer before it is
-    published, so completions can be validated.
+    Expect: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.ExpectRequest, _kvpush_pb2.ExpectResponse]  # type: ignore[assignment]
+    """The decode agent tells its rank which prefill ranks will write each transfer, while the
+    reservation travels to prefill; a completion that overtakes its expectation waits for it.
+    Expectations queued together travel in one call.
     """
     Settle: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.Settlement, _kvpush_pb2.SettleAck]  # type: ignore[assignment]
     """The decode agent's final word on a transfer that did not complete: no WRITE for the epoch
@@ -138,11 +140,12 @@ class DecodeRankServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def Expect(
         self,
-        request: _kvpush_pb2.Expectation,
+        request: _kvpush_pb2.ExpectRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_kvpush_pb2.ExpectAck, _abc.Awaitable[_kvpush_pb2.ExpectAck]]:
-        """The decode agent tells its rank which prefill ranks will write a transfer before it is
-        published, so completions can be validated.
+    ) -> _typing.Union[_kvpush_pb2.ExpectResponse, _abc.Awaitable[_kvpush_pb2.ExpectResponse]]:
+        """The decode agent tells its rank which prefill ranks will write each transfer, while the
+        reservation travels to prefill; a completion that overtakes its expectation waits for it.
+        Expectations queued together travel in one call.
         """
 
     @_abc_1.abstractmethod
