@@ -39,6 +39,7 @@ class DecodeScheduler:
         self.registration: Registration | None = None
         self._tried: set[str] = set()  # requests whose transfer was reserved or released
         self._reserved: dict[str, str] = {}  # request id -> transfer id, until the request ends
+        self._unfilled: dict[str, int] = {}  # request id -> blocks reserved and not yet written
         self._received: set[str] = set()  # reserved requests the workers reported done
         self._cancelling: set[str] = set()  # aborted while waiting; workers report once fenced
         self._kv_cache_manager: Any = None
@@ -81,7 +82,12 @@ class DecodeScheduler:
 
     def _load(self) -> pb.LoadReport:
         free = self._kv_cache_manager.block_pool.get_num_free_blocks() if self._kv_cache_manager else 0
-        return pb.LoadReport(free_blocks=free, waiting_requests=len(self._reserved) - len(self._received))
+        return pb.LoadReport(
+            free_blocks=free,
+            reserved_unfilled_blocks=sum(self._unfilled.values()),
+            waiting_requests=len(self._unfilled),
+            running_requests=len(self._reserved) - len(self._unfilled),
+        )
 
     # ----- hooks --------------------------------------------------------------------------
 
@@ -105,10 +111,12 @@ class DecodeScheduler:
         skip = len(every[0]) - len(new[0])
         self.agent.reserve(leg.transfer_id, rid, leg, [list(g) for g in new], request.num_prompt_tokens, skip)
         self._reserved[rid] = leg.transfer_id
+        self._unfilled[rid] = sum(len(g) for g in new)
 
     def update_connector_output(self, finished_recving: set[str]) -> None:
         for rid in finished_recving:
             self._cancelling.discard(rid)
+            self._unfilled.pop(rid, None)
             tid = self._reserved.get(rid)
             if tid is not None and self.agent is not None:
                 self._received.add(rid)
@@ -120,6 +128,7 @@ class DecodeScheduler:
         received = rid in self._received
         tried = rid in self._tried
         self._received.discard(rid)
+        self._unfilled.pop(rid, None)
         self._tried.discard(rid)
         if self.agent is None:
             return False, None
