@@ -1,0 +1,126 @@
+"""Connector logic that needs no running engine: config parsing, KV layout description, the
+prefill scheduler's per-step flags, and the prefill worker's release gating."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from connector.config import ConfigError, ConnectorConfig
+from connector.kv_layout import describe, merge_spans
+from connector.schedulers import DecodeScheduler, PrefillScheduler
+from connector.workers import PrefillWorker
+from services.common.transfer_params import DecodeLeg, PrefillLeg, to_params
+from services.prefill_agent.table import ReleaseBlocks
+
+
+def _kv_cfg(role: str = "kv_producer", engine_id: str = "p0", **extra: Any) -> Any:
+    return SimpleNamespace(kv_role=role, engine_id=engine_id, kv_connector_extra_config=extra)
+
+
+def _vllm_cfg(tp: int = 1) -> Any:
+    return SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+
+
+def test_config_roles_types_and_errors() -> None:
+    cfg = ConnectorConfig.from_vllm(_kv_cfg("kv_consumer", agent_base_port="7000", grace_s=1))
+    assert (cfg.role, cfg.agent_base_port, cfg.grace_s) == ("decode", 7000, 1.0)
+    assert cfg.port_for(2) == 7002 and ConnectorConfig.from_vllm(_kv_cfg()).port_for(2) == 0
+    with pytest.raises(ConfigError, match="kv_role"):
+        ConnectorConfig.from_vllm(_kv_cfg("kv_both"))
+    with pytest.raises(ConfigError, match="engine_id"):
+        ConnectorConfig.from_vllm(_kv_cfg(engine_id=None))
+    with pytest.raises(ConfigError, match="unknown"):
+        ConnectorConfig.from_vllm(_kv_cfg(typo_key=1))
+    with pytest.raises(ConfigError, match="agent_base_port"):
+        ConnectorConfig.from_vllm(_kv_cfg(agent_base_port="x"))
+
+
+def test_describe_cpu_kv_layout_views_of_one_buffer() -> None:
+    torch = pytest.importorskip("torch")
+    buf = torch.zeros(2 * 8 * 2 * 16 * 64, dtype=torch.bfloat16)
+    layers = {f"l{i}": buf[i * 8 * 2048 : (i + 1) * 8 * 2048].view(8, 2, 16, 64) for i in range(2)}
+    desc = describe(layers, tp_size=2, model_id="tiny")
+    assert desc.ranges == [(buf.data_ptr(), buf.numel() * 2)]  # one registration for both layers
+    assert [r.base_addr for r in desc.regions.regions] == [buf.data_ptr(), buf.data_ptr() + 8 * 2048 * 2]
+    assert desc.regions.block_bytes == 2 * 16 * 64 * 2 and desc.regions.num_heads == 2
+    assert (desc.shape.total_kv_heads, desc.shape.head_bytes, desc.shape.tokens_per_block) == (4, 2048, 16)
+    assert desc.shape.dtype == "bfloat16"
+
+
+def test_merge_spans() -> None:
+    assert merge_spans([(100, 10), (0, 50), (50, 10), (200, 1)]) == [(0, 60), (100, 10), (200, 1)]
+
+
+@dataclass
+class _Req:
+    request_id: str
+    num_prompt_tokens: int
+    kv_transfer_params: dict[str, Any] | None
+    num_computed_tokens: int = 0
+    status: Any = field(default_factory=lambda: SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+
+
+class _Blocks:
+    def __init__(self, ids: dict[str, tuple[list[int], ...]]) -> None:
+        self.ids = ids
+
+    def get_block_ids(self, rid: str) -> tuple[list[int], ...]:
+        return self.ids[rid]
+
+
+def test_prefill_scheduler_flags_the_step_with_the_last_chunk() -> None:
+    s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill"), _vllm_cfg())
+    s._kv_cache_manager = _Blocks({"r1": ([4, 5, 6],)})
+    r = _Req("r1", 300, to_params(PrefillLeg("t1", "d")))
+    s.update_state_after_alloc(r, None, 0)
+    first = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 256}))
+    assert first.finished_prefills == []  # chunked prefill: more to come
+    r.num_computed_tokens = 256
+    second = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 44}))
+    (fp,) = second.finished_prefills
+    assert (fp.transfer_id, fp.request_id, fp.block_ids, fp.num_tokens) == ("t1", "r1", ((4, 5, 6),), 300)
+    assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 1})).finished_prefills == []
+    held, params = s.request_finished(r)
+    assert held and params == {"kvpush": {"role": "prefill_done", "transfer_id": "t1"}}
+    assert s.has_pending_push_work()
+    s.update_connector_output({"r1"})
+    assert not s.has_pending_push_work()
+
+
+def test_prefill_scheduler_abort_before_kv_tells_the_agents() -> None:
+    s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill"), _vllm_cfg())
+    r = _Req("r2", 300, to_params(PrefillLeg("t2", "d")))
+    s.update_state_after_alloc(r, None, 0)
+    assert s.request_finished(r) == (False, None)
+    assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).aborted == ["t2"]
+    plain = _Req("r3", 10, None)
+    s.update_state_after_alloc(plain, None, 0)
+    assert s.request_finished(plain) == (False, None)
+
+
+def test_prefill_worker_reports_only_finished_and_released_requests() -> None:
+    w = PrefillWorker(ConnectorConfig(engine_id="p", role="prefill"), "m")
+    w.agent = SimpleNamespace(prefill_done=lambda *a: None, prefill_aborted=lambda *a: None)  # type: ignore[assignment]
+    from connector.messages import FinishedPrefill, PushMetadata
+
+    w.wait_for_save(PushMetadata(finished_prefills=[FinishedPrefill("t", "r", ((1,),), 5)]))
+    w._on_release(ReleaseBlocks("t", "r", "done"))
+    assert w.finished_sending(set()) == set()  # the scheduler has not finished r yet
+    assert w.finished_sending({"r", "someone-else"}) == {"r"}
+    assert w.finished_sending({"r"}) == set()  # exactly once
+
+
+def test_decode_scheduler_claims_only_its_requests_once() -> None:
+    s = DecodeScheduler(ConnectorConfig(engine_id="d", role="decode"), _vllm_cfg())
+    leg = DecodeLeg("t", 1, "p", "", 1, ["127.0.0.1:1"])
+    assert s.get_num_new_matched_tokens(_Req("a", 300, to_params(leg)), 0) == (300, True)
+    assert s.get_num_new_matched_tokens(_Req("a", 300, to_params(leg)), 128) == (172, True)
+    assert s.get_num_new_matched_tokens(_Req("a", 300, to_params(leg)), 300) == (0, False)
+    assert s.get_num_new_matched_tokens(_Req("b", 300, None), 0) == (0, False)
+    assert s.get_num_new_matched_tokens(_Req("c", 300, {"kvpush": {"role": "bogus"}}), 0) == (0, False)
+    s._tried.add("a")
+    assert s.get_num_new_matched_tokens(_Req("a", 300, to_params(leg)), 0) == (0, False)
