@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
+_metrics_started = False
+
 
 class ConfigError(ValueError):
     pass
@@ -26,6 +28,8 @@ class ConnectorConfig:
     reservation_lease_ms: int = 30_000
     poll_interval_us: float = 100.0
     load_report_ms: int = 500
+    # Prometheus: the engine-core process serves base, worker rank r serves base + 1 + r; 0: off.
+    metrics_base_port: int = 0
 
     @classmethod
     def from_vllm(cls, kv_transfer_config: Any) -> ConnectorConfig:
@@ -52,6 +56,15 @@ class ConnectorConfig:
 
     def port_for(self, rank: int) -> int:
         return self.agent_base_port + rank if self.agent_base_port else 0
+
+    def serve_metrics(self, offset: int) -> None:
+        """Starts the Prometheus endpoint of this process (idempotent per process)."""
+        global _metrics_started
+        if self.metrics_base_port and not _metrics_started:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.metrics_base_port + offset, addr=self.agent_host)
+            _metrics_started = True
 
     def advertised(self, port: int) -> str:
         return f"{self.advertise_host or self.agent_host}:{port}"

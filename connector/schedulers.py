@@ -63,6 +63,7 @@ class DecodeScheduler:
             [pb.RankLayout.FromString(h.layout) for h in ranks],
             incarnation=_engine_incarnation(ranks),
         ).start()
+        self.cfg.serve_metrics(0)
         if self.cfg.scheduler_address:
             self.registration = Registration(
                 self.cfg,

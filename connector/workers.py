@@ -53,6 +53,7 @@ class DecodeWorker:
             poll_interval_s=self.cfg.poll_interval_us * 1e-6,
         )
         self.rank = create_rank(rcfg, engine, desc.regions)
+        self.cfg.serve_metrics(1 + rank)
         layout = self.rank.layout()
         layout.completion_endpoint = self.cfg.advertised(self.rank.port)
         self._handshake = RankHandshake(
@@ -118,6 +119,7 @@ class PrefillWorker:
         )
         self.agent = PrefillAgent(acfg, engine, desc.regions, incarnation=incarnation, on_release=self._on_release)
         self.agent.start()
+        self.cfg.serve_metrics(1 + rank)
         self._handshake = RankHandshake(
             tp_rank=rank,
             endpoint=self.cfg.advertised(self.agent.port),

@@ -154,16 +154,20 @@ def pd_cluster(
     kv_cache_memory_bytes: int = 64 << 20,
     max_num_seqs: int = 16,
     extra: dict[str, Any] | None = None,
+    prefill_tp: int = 1,
+    decode_tp: int = 1,
 ) -> Iterator[PDCluster]:
+    """``prefill_tp``/``decode_tp`` > 1 spread that instance's ranks over all cores."""
     log_dir.mkdir(parents=True, exist_ok=True)
     cores = sorted(os.sched_getaffinity(0))
     sched = start_scheduler(log_dir)
     servers: list[tuple[VllmServer, int]] = []
     env_common = {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "KVPUSH_LOG_LEVEL": "INFO"}
     try:
-        for i, role in enumerate(["prefill", "decode"]):
+        for i, (role, tp) in enumerate([("prefill", prefill_tp), ("decode", decode_tp)]):
             port = free_port()
             core = cores[i % len(cores)]
+            bind = str(core) if tp == 1 else "|".join(str(cores[r % len(cores)]) for r in range(tp))
             srv = VllmServer(
                 model_dir,
                 port=port,
@@ -172,11 +176,12 @@ def pd_cluster(
                 kv_transfer_config=connector_config(
                     role, f"{role}-0", sched.address, f"http://127.0.0.1:{port}", **(extra or {})
                 ),
-                env={**env_common, "VLLM_CPU_OMP_THREADS_BIND": str(core)},
+                env={**env_common, "VLLM_CPU_OMP_THREADS_BIND": bind},
+                extra_args=["--tensor-parallel-size", str(tp)] if tp > 1 else [],
                 log_path=log_dir / f"{role}.log",
                 ready_timeout=None,
             )
-            servers.append((srv.start(), core))
+            servers.append((srv.start(), core if tp == 1 else -1))
         baseline = None
         if with_baseline:
             core = cores[0]
@@ -192,7 +197,8 @@ def pd_cluster(
         for srv, _ in servers:
             srv.wait_ready(float(os.environ.get("KVPUSH_VLLM_READY_TIMEOUT", "400")))
         for srv, core in servers:
-            srv.pin_to_cpu(core)
+            if core >= 0:
+                srv.pin_to_cpu(core)
         cluster = PDCluster(sched, servers[0][0], servers[1][0], baseline)
         cluster.wait_registered()
         yield cluster
