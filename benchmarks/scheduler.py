@@ -5,7 +5,8 @@ instances that keep load streams open, then measures from many concurrent client
 
 * open loop: Assign at a fixed offered rate (default 1,000 req/s), with the Releases sent after the
   phase, then again with each Release right after its Assign, and at half the rate;
-* closed loop: N workers doing Assign+Release back to back (maximum throughput).
+* closed loop: N workers doing Assign+Release back to back (maximum throughput), with the CPU each
+  side spends per pair, then the same against a servicer without any logic (the gRPC floor).
 
 Latency is the client-observed Assign round trip. Prints a markdown table and writes JSON to
 bench-results/scheduler.json. Usage: ``python -m benchmarks.scheduler [--rate 1000 --seconds 10]``.

@@ -10,6 +10,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -101,6 +102,49 @@ def test_vllm_units_kv_transfer_config(unit: str, env: str, role: str) -> None:
         },
     }
     assert line.startswith("/opt/kvpush/.venv/bin/python -m vllm.entrypoints.openai.api_server ")
+
+
+def test_wait_http(tmp_path: Path) -> None:
+    """The vLLM units' ExecStartPost readiness wait."""
+    import http.server
+    import threading
+
+    from services.common import wait_http
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802
+            self.send_response(200 if self.path == "/health" else 503)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert wait_http.wait(f"{base}/health", timeout_s=5, interval_s=0.05)
+        assert not wait_http.wait(f"{base}/starting", timeout_s=0.2, interval_s=0.05)
+    finally:
+        server.shutdown()
+        server.server_close()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "services.common.wait_http",
+            "--timeout",
+            "0.2",
+            "--interval",
+            "0.05",
+            "http://127.0.0.1:9/health",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 1 and "did not answer 200" in proc.stderr
 
 
 def test_scheduler_env_matches_flags() -> None:
