@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -90,17 +91,23 @@ def test_vllm_units_kv_transfer_config(unit: str, env: str, role: str) -> None:
     expanded = re.sub(r"\$\{(\w+)\}", lambda m: values[m.group(1)], line)
     (raw,) = re.findall(r"'([^']*)'", expanded)
     config = json.loads(raw)
-    assert config == {
-        "kv_connector": "KvPushConnector",
-        "kv_connector_module_path": "connector.push_connector",
-        "kv_role": role,
-        "engine_id": values["KVPUSH_ENGINE_ID"],
-        "kv_connector_extra_config": {
-            "scheduler_address": values["KVPUSH_SCHEDULER_ADDRESS"],
-            "agent_host": values["KVPUSH_AGENT_HOST"],
-            "agent_base_port": int(values["KVPUSH_AGENT_BASE_PORT"]),
-        },
-    }
+    assert config["kv_connector"] == "KvPushConnector"
+    assert config["kv_connector_module_path"] == "connector.push_connector"
+    assert config["kv_role"] == role and config["engine_id"] == values["KVPUSH_ENGINE_ID"]
+    extra = config["kv_connector_extra_config"]
+    assert extra["scheduler_address"] == values["KVPUSH_SCHEDULER_ADDRESS"]
+    assert extra["agent_host"] == values["KVPUSH_AGENT_HOST"]
+    assert extra["agent_base_port"] == int(values["KVPUSH_AGENT_BASE_PORT"])
+    assert extra["http_endpoint"].endswith(":" + values["KVPUSH_VLLM_PORT"])
+    # The connector accepts exactly this config (it refuses unknown extra keys).
+    from connector.config import ConnectorConfig
+
+    cfg = ConnectorConfig.from_vllm(SimpleNamespace(**config))
+    assert cfg.role == ("prefill" if role == "kv_producer" else "decode")
+    assert (
+        cfg.advertised(cfg.port_for(1))
+        == f"{values['KVPUSH_ADVERTISE_HOST']}:{int(values['KVPUSH_AGENT_BASE_PORT']) + 1}"
+    )
     assert line.startswith("/opt/kvpush/.venv/bin/python -m vllm.entrypoints.openai.api_server ")
 
 
