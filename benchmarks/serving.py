@@ -118,6 +118,8 @@ class Sample:
     done: float = math.nan
     tokens: int = 0
     error: str = ""
+    transfer_id: str = ""  # ours: joins the request to our agents' log events
+    sent_wall: float = math.nan  # time.time() at send, to compare with log timestamps
 
 
 @dataclass
@@ -362,6 +364,7 @@ def ours_proxy(c: Client, stub: Any, max_tokens: int) -> Proxy:
     async def run(prompt: list[int], s: Sample) -> None:
         rid = uuid.uuid4().hex
         a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=max_tokens), timeout=30)
+        s.transfer_id = a.transfer_id
         outcome = pb.OUTCOME_FAILED
         try:
             await both_legs(
@@ -392,6 +395,7 @@ def grpc_proxy(stub: Any, max_tokens: int) -> Proxy:
         first = last = 0.0
         n = 0
         async for msg in stub.Generate(req, timeout=120):
+            s.transfer_id = s.transfer_id or msg.transfer_id
             if msg.token_ids:
                 now = time.monotonic()
                 first = first or now
@@ -411,6 +415,7 @@ async def run_point(proxy: Proxy, prompts: list[list[int]], arrivals: list[float
         await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.monotonic()))
         s = samples[i]
         s.sent = time.monotonic()
+        s.sent_wall = time.time()
         try:
             await asyncio.wait_for(proxy(prompts[i], s), timeout_s)
         except Exception as exc:  # recorded per request; the point goes on
@@ -643,9 +648,42 @@ def _size(path: Path) -> int:
         return 0
 
 
-def phase_stats(p_log: Path, d_log: Path, p_off: int, d_off: int) -> dict[str, Any]:
+def _ts(row: dict[str, str]) -> float:
+    from datetime import datetime
+
+    try:
+        return datetime.fromisoformat(row["timestamp"].replace("Z", "+00:00")).timestamp()
+    except (KeyError, ValueError):
+        return math.nan
+
+
+def phase_stats(p_log: Path, d_log: Path, p_off: int, d_off: int, samples: list[Sample]) -> dict[str, Any]:
+    """Our agents' events for the point, and per request (joined on the transfer id) the phases
+    sent -> WRITE start (Assign, P queue, prefill, wait_for_save) -> D rank release (WRITE plus
+    the completion to the decode rank) -> first token at the client (D step + HTTP streaming).
+    ``write_finished`` is logged after the completion is sent, so WRITE start = its time - write_ms."""
     writes = parse_events(p_log, p_off, "write_finished")
     released = parse_events(d_log, d_off, "transfer_released")
+    w_by = {r.get("transfer_id", ""): r for r in writes}
+    r_by = {r.get("transfer_id", ""): r for r in released}
+    phases: dict[str, list[float]] = {
+        "to_write_start": [],
+        "write": [],
+        "write_start_to_release": [],
+        "release_to_first": [],
+    }
+    for smp in samples:
+        w, rel = w_by.get(smp.transfer_id), r_by.get(smp.transfer_id)
+        if not smp.ok or w is None or rel is None:
+            continue
+        with contextlib.suppress(KeyError, ValueError):
+            w_end, r_t = _ts(w), _ts(rel)
+            w_ms = float(w["write_ms"])
+            first_wall = smp.sent_wall + smp.ttft
+            phases["to_write_start"].append((w_end - w_ms / 1e3 - smp.sent_wall) * 1e3)
+            phases["write"].append(w_ms)
+            phases["write_start_to_release"].append((r_t - w_end) * 1e3 + w_ms)
+            phases["release_to_first"].append((first_wall - r_t) * 1e3)
 
     def floats(rows: list[dict[str, str]], key: str) -> list[float]:
         vals = []
@@ -663,6 +701,8 @@ def phase_stats(p_log: Path, d_log: Path, p_off: int, d_off: int) -> dict[str, A
         "released": len(released),
         "released_waited_ms_p50": statistics.median(waited) if waited else math.nan,
         "released_waited_ms_p99": float(np.percentile(waited, 99)) if waited else math.nan,
+        "joined": len(phases["write"]),
+        **{f"{k}_ms_p50": (statistics.median(v) if v else math.nan) for k, v in phases.items()},
     }
 
 
@@ -762,7 +802,7 @@ async def measure(
         r.foreign_vllm = foreign_vllm_processes()
         if logs:
             await asyncio.sleep(0.3)  # let the log lines of the last transfers land
-            r.phases = phase_stats(logs[0], logs[1], *offs)
+            r.phases = phase_stats(logs[0], logs[1], *offs, samples)
         res.append(r)
         h.note(
             f"{name:>12} L={pt.prompt_len} rate={pt.rate:g}/s n={pt.requests}: ok={r.ok} "
@@ -962,6 +1002,22 @@ def markdown(res: dict[str, Any]) -> str:
             f"{_f(d.get('ttft_ours_grpc/push'), 2)} | {_f(ph.get('write_ms_p50'), 3)} | "
             f"{_f(ph.get('released_waited_ms_p50'), 1)} |"
         )
+    lines += [
+        "",
+        "### Where our TTFT goes (p50 per phase, joined per request on the transfer id; ms)",
+        "",
+        "| prompt | rate /s | setup | TTFT | sent → WRITE start | WRITE (write_ms) | WRITE start → D release | "
+        "D release → first token |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for name in ("ours", "ours_grpc"):
+        for r in results.get(name, []):
+            ph = r.get("phases") or {}
+            lines.append(
+                f"| {r['prompt_len']} | {r['rate']:g} | {name} | {_f(r['ttft_p50_ms'])} | "
+                f"{_f(ph.get('to_write_start_ms_p50'))} | {_f(ph.get('write_ms_p50'), 2)} | "
+                f"{_f(ph.get('write_start_to_release_ms_p50'), 2)} | {_f(ph.get('release_to_first_ms_p50'), 1)} |"
+            )
     lines += [
         "",
         "### Goals (at the highest rate that ours, push and pull all sustained; hand-off at the lightest rate)",
