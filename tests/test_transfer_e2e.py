@@ -326,3 +326,24 @@ def test_decode_restart_supersedes_the_old_incarnation() -> None:
         if second is not None:
             second.stop()
         c.stop()
+
+
+def test_stalled_target_fails_the_write_instead_of_hanging() -> None:
+    """A decode that stops progressing NIXL leaves WRITEs in flight: the writer keeps serving
+    (cancels are acked) and fails the transfer at its write timeout, and the path recovers."""
+    c = start_cluster(1, 1, tag="stall", write_timeout_s=1.5)
+    try:
+        c.decode.call("progress", False)
+        _run(c, "stalled", [30, 31], [1, 2])
+        res = _wait(c, ["stalled"], timeout=20)
+        c.decode.call("progress", True)
+        outcome = res["ranks"]["stalled"]
+        # cma may finish the copy without the target; either way nothing hangs.
+        assert outcome is not None
+        if outcome[0] != "ok":
+            assert res["settled"]["stalled"][0] == "failed"
+        _run(c, "after-stall", [40], [3])
+        assert _wait(c, ["after-stall"])["ranks"]["after-stall"] == ("ok", "")
+        assert c.decode.call("verify", [([40], [3])]) == []
+    finally:
+        c.stop()

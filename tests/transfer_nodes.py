@@ -82,7 +82,9 @@ def _env() -> None:
 # ----- prefill node ---------------------------------------------------------------------------
 
 
-def prefill_node(conn: Connection, engine_id: str, rank: int, tp_size: int, num_blocks: int, auth: str) -> None:
+def prefill_node(
+    conn: Connection, engine_id: str, rank: int, tp_size: int, num_blocks: int, auth: str, write_timeout_s: float = 30.0
+) -> None:
     _env()
     from services.common.nixl_engine import NixlEngine
     from services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
@@ -95,7 +97,9 @@ def prefill_node(conn: Connection, engine_id: str, rank: int, tp_size: int, num_
     regions = pool.regions()
     engine = NixlEngine(f"prefill-{engine_id}-{os.getpid()}-r{rank}")
     engine.register([(r.base_addr, r.num_blocks * r.block_stride) for r in regions.regions])
-    cfg = PrefillAgentConfig(engine_id=engine_id, rank=rank, tp_size=tp_size, shape=shape(), auth_token=auth)
+    cfg = PrefillAgentConfig(
+        engine_id=engine_id, rank=rank, tp_size=tp_size, shape=shape(), auth_token=auth, write_timeout_s=write_timeout_s
+    )
     agent = PrefillAgent(cfg, engine, regions).start()
     # A gate in front of the real NIXL post, so a test can hold the writer inside a WRITE.
     gate_open, gate_entered = threading.Event(), threading.Event()
@@ -209,8 +213,13 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
 
     pools = [Pool.create(num_blocks, heads) for _ in range(tp_size)]
     ranks = []
+    progress_allowed = threading.Event()
+    progress_allowed.set()
     for d, pool in enumerate(pools):
         engine = NixlEngine(f"decode-{engine_id}-{os.getpid()}-r{d}")
+        real_progress = engine.progress
+        # A switch in front of the real NIXL progress, so a test can make this target stall.
+        engine.progress = lambda real=real_progress: real() if progress_allowed.is_set() else {}  # type: ignore[method-assign]
         cfg = DecodeRankConfig(engine_id=engine_id, rank=d, tp_size=tp_size, shape=shape())
         ranks.append(create_rank(cfg, engine, pool.regions(), on_release=on_release(d)))
     agent = DecodeAgent(
@@ -234,6 +243,9 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
                 key = (tid, epoch)
                 outcomes.cv.wait_for(lambda key=key: key in outcomes.settled_epochs, timeout)
                 conn.send(outcomes.settled_epochs.get((tid, epoch)))
+        elif cmd == "progress":
+            (progress_allowed.set if args[0] else progress_allowed.clear)()
+            conn.send(None)
         elif cmd == "cancel":
             agent.cancel(args[0], "test cancel")
             conn.send(None)
@@ -354,8 +366,9 @@ def start_cluster(
     auth: str = "",
     grace_s: float = 0.5,
     tag: str = "",
+    write_timeout_s: float = 30.0,
 ) -> Cluster:
     pe = f"prefill{tag}"
-    prefill = [Node(prefill_node, pe, r, prefill_tp, num_blocks, auth) for r in range(prefill_tp)]
+    prefill = [Node(prefill_node, pe, r, prefill_tp, num_blocks, auth, write_timeout_s) for r in range(prefill_tp)]
     decode = Node(decode_node, f"decode{tag}", decode_tp, num_blocks, auth, grace_s)
     return Cluster(decode, prefill, pe, decode_tp)

@@ -42,6 +42,7 @@ class DecodeRankConfig:
     host: str = "127.0.0.1"
     port: int = 0
     poll_interval_s: float = 100e-6  # NIXL progress cadence while transfers are expected
+    idle_poll_s: float = 5e-3  # and otherwise
     tombstone_s: float = 60.0
     # The agent publishes a reservation and registers it here concurrently; a completion that
     # overtakes its expectation waits this long for it before it is refused as unknown.
@@ -120,15 +121,17 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
     # ----- NIXL progress -----------------------------------------------------------------
 
     def _poll(self) -> None:
-        interval = self.config.poll_interval_s
+        """Fast while a transfer is expected; slow otherwise, so a WRITE that arrives before its
+        expectation (or for a transfer already settled) still completes instead of hanging."""
         while not self._stopping.is_set():
-            if not self._active.wait(1.0):
-                continue
+            if self._active.is_set():
+                time.sleep(self.config.poll_interval_s)
+            else:
+                self._active.wait(self.config.idle_poll_s)
             try:
                 self.engine.progress()
             except Exception:
                 log.exception("nixl_progress_failed")
-            time.sleep(interval)
 
     def _update_active(self) -> None:
         if self.table.pending_count():

@@ -9,6 +9,7 @@ transfer's KV is computed and collects :meth:`take_released` to free its blocks.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ class PrefillAgentConfig:
     prefill_lease_s: float = 30.0
     default_reservation_lease_s: float = 30.0
     hello_timeout_s: float = 10.0
+    write_timeout_s: float = 30.0  # a WRITE still in flight after this fails its transfer
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         self._released: list[ReleaseBlocks] = []
         self._released_cv = threading.Condition()
         self._draining = False
+        self._streams = itertools.count(1)
         self._loop = LoopThread(f"kvpush-prefill-{config.rank}")
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._server: grpc.aio.Server | None = None
@@ -85,6 +88,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             deliver=self._deliver,
             release=self._release,
             table=TransferTable(prefill_lease_s=config.prefill_lease_s),
+            write_timeout_s=config.write_timeout_s,
         )
 
     # ----- lifecycle ----------------------------------------------------------------------
@@ -253,7 +257,9 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             await context.abort(*problem)
         loop = asyncio.get_running_loop()
         outbox: asyncio.Queue[pb.PrefillMessage | _Close] = asyncio.Queue()
-        key = f"{hello.decode.engine_id}/{hello.decode.incarnation}"
+        # One key per stream: a reconnect of the same incarnation must not be torn down by the
+        # clean-up of the stream it replaces.
+        key = f"{hello.decode.engine_id}/{hello.decode.incarnation}/{next(self._streams)}"
         session = PeerSession(
             key=key,
             identity=hello.decode,

@@ -40,6 +40,7 @@ from services.prefill_agent.table import (
 log = get_logger("prefill.writer")
 
 EXPIRY_PERIOD_S = 0.05
+IN_FLIGHT_POLL_S = 50e-6  # NIXL state checks while WRITEs are in flight
 
 
 @dataclass
@@ -101,6 +102,17 @@ class _Call:
 _STOP = object()
 
 
+@dataclass
+class _Write:
+    """One transfer's WRITEs: per decode rank, (ok, reason, plan) once finished."""
+
+    action: StartWrite
+    session: PeerSession
+    started: float
+    results: dict[int, tuple[bool, str, WritePlan | None]] = field(default_factory=dict)
+    pending: list[tuple[WritePlan, Any]] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class CompletionReport:
     """What the writer asks the agent to deliver to one decode rank."""
@@ -135,6 +147,7 @@ class PushWriter:
         self.write_timeout_s = write_timeout_s
         self.clock = clock
         self._sessions: dict[str, PeerSession] = {}
+        self._in_flight: list[_Write] = []
         self._first_seen: dict[str, float] = {}
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"kvpush-writer-{rank}", daemon=True)
@@ -181,8 +194,16 @@ class PushWriter:
     def _run(self) -> None:
         next_expiry = self.clock() + EXPIRY_PERIOD_S
         while True:
+            if self._in_flight:
+                try:
+                    self._poll_in_flight()
+                except Exception:
+                    log.exception("writer_poll_failed")
+            wait = max(0.0, next_expiry - self.clock())
+            if self._in_flight:
+                wait = min(wait, IN_FLIGHT_POLL_S)
             try:
-                event = self._inbox.get(timeout=max(0.0, next_expiry - self.clock()))
+                event = self._inbox.get(timeout=wait)
             except queue.Empty:
                 event = None
             if event is _STOP:
@@ -334,63 +355,74 @@ class PushWriter:
             session.send(msg)
 
     def _write(self, action: StartWrite) -> None:
+        """Plans and posts the transfer's WRITEs; the ones NIXL does not finish in the post are
+        polled from the main loop, so one slow target never holds up the other transfers."""
         res = action.reservation
         tid = res.transfer_id
         first = self._first_seen.get(tid)
         if first is not None:
             metrics.MATCH_WAIT_SECONDS.observe(self.clock() - first)
         session = self._sessions.get(res.peer)
-        started = self.clock()
-        results: dict[int, tuple[bool, str, WritePlan | None]] = {}
         if session is None:
             reason = "decode stream lost before the write"
             log.warning("write_skipped", transfer_id=tid, reason=reason)
             self._execute(self.table.on_write_finished(tid, res.epoch, False, reason, self.clock()))
             return
-        plans: list[WritePlan] = []
+        w = _Write(action, session, started=self.clock())
         for s in session.slices:
             try:
-                plans.append(
-                    plan_writes(self.local, session.regions[s.decode_rank], action.src_block_ids, res.block_ids, s)
-                )
+                plan = plan_writes(self.local, session.regions[s.decode_rank], action.src_block_ids, res.block_ids, s)
             except PlanError as exc:
-                results[s.decode_rank] = (False, f"plan: {exc}", None)
-        in_flight: list[tuple[WritePlan, Any]] = []
-        for plan in plans:
+                w.results[s.decode_rank] = (False, f"plan: {exc}", None)
+                continue
             if plan.num_descriptors == 0:
-                results[plan.decode_rank] = (True, "", plan)
+                w.results[plan.decode_rank] = (True, "", plan)
                 continue
             try:
                 handle, state = self.engine.post_write(plan.local, plan.remote, session.nixl_names[plan.decode_rank])
             except NixlError as exc:
-                results[plan.decode_rank] = (False, str(exc), plan)
+                w.results[plan.decode_rank] = (False, str(exc), plan)
                 continue
             if state == "DONE":
                 self.engine.release(handle)
-                results[plan.decode_rank] = (True, "", plan)
+                w.results[plan.decode_rank] = (True, "", plan)
             else:
-                in_flight.append((plan, handle))
-        deadline = started + self.write_timeout_s
-        while in_flight:
-            still: list[tuple[WritePlan, Any]] = []
-            for plan, handle in in_flight:
+                w.pending.append((plan, handle))
+        if w.pending:
+            self._in_flight.append(w)
+        else:
+            self._finish(w)
+
+    def _poll_in_flight(self) -> None:
+        now = self.clock()
+        still: list[_Write] = []
+        for w in self._in_flight:
+            waiting: list[tuple[WritePlan, Any]] = []
+            for plan, handle in w.pending:
                 try:
                     state = self.engine.check(handle)
                 except NixlError as exc:
                     self.engine.release(handle)
-                    results[plan.decode_rank] = (False, str(exc), plan)
+                    w.results[plan.decode_rank] = (False, str(exc), plan)
                     continue
                 if state == "DONE":
                     self.engine.release(handle)
-                    results[plan.decode_rank] = (True, "", plan)
-                elif state == "PROC" and self.clock() < deadline:
-                    still.append((plan, handle))
+                    w.results[plan.decode_rank] = (True, "", plan)
+                elif state == "PROC" and now < w.started + self.write_timeout_s:
+                    waiting.append((plan, handle))
                 else:
                     self.engine.release(handle)
-                    results[plan.decode_rank] = (False, f"WRITE ended in state {state}", plan)
-            in_flight = still
-            if in_flight:
-                time.sleep(50e-6)
+                    w.results[plan.decode_rank] = (False, f"WRITE ended in state {state}", plan)
+            w.pending = waiting
+            if waiting:
+                still.append(w)
+            else:
+                self._finish(w)
+        self._in_flight = still
+
+    def _finish(self, w: _Write) -> None:
+        res, session, results, started = w.action.reservation, w.session, w.results, w.started
+        tid = res.transfer_id
         elapsed = self.clock() - started
         ok = all(r[0] for r in results.values())
         total_bytes = sum(p.num_bytes for _, _, p in results.values() if p is not None)
