@@ -44,8 +44,10 @@ class PowerOfTwoChoices:
             return None
         if len(candidates) == 1:
             return candidates[0]
-        a, b = self._rng.sample(range(len(candidates)), 2)
-        ca, cb = candidates[a], candidates[b]
+        n = len(candidates)
+        a = int(self._rng.random() * n)
+        b = int(self._rng.random() * (n - 1))
+        ca, cb = candidates[a], candidates[b if b < a else b + 1]  # two distinct, uniformly
         return ca if _projected(ca, demand) <= _projected(cb, demand) else cb
 
 

@@ -182,13 +182,27 @@ class Registry:
         if demand.prompt_tokens < 1:
             raise InvalidArgument("prompt_tokens must be >= 1")
         now = self.clock() if now is None else now
-        decodes = [i for i in self.instances.values() if i.spec.role is Role.DECODE and not i.draining]
+        decodes: list[Instance] = []
+        prefills: list[Instance] = []
+        fitting: list[Instance] = []
+        blocks_by_tpb: dict[int, int] = {}
+        for inst in self.instances.values():
+            if inst.draining:
+                continue
+            if inst.spec.role is Role.PREFILL:
+                prefills.append(inst)
+                continue
+            decodes.append(inst)
+            tpb = inst.spec.tokens_per_block
+            need = blocks_by_tpb.get(tpb)
+            if need is None:
+                need = blocks_by_tpb[tpb] = demand.blocks_on(tpb)
+            if inst.projected_free >= need:
+                fitting.append(inst)
         if not decodes:
             raise NoCapacity("no_decode", "no live decode instance is registered")
-        prefills = [i for i in self.instances.values() if i.spec.role is Role.PREFILL and not i.draining]
         if not prefills:
             raise NoCapacity("no_prefill", "no live prefill instance is registered")
-        fitting = [d for d in decodes if d.projected_free >= demand.blocks_on(d.spec.tokens_per_block)]
         if not fitting:
             best = max(decodes, key=lambda d: d.projected_free)
             need = demand.blocks_on(best.spec.tokens_per_block)

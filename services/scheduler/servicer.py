@@ -43,17 +43,22 @@ class ServicerConfig:
 
 
 class _Signal:
-    """Wakes every waiter once per notify; grab ``current()`` before checking the condition."""
+    """Wakes every waiter once per notify. Take ``current()`` after checking the condition with no
+    await in between (so no notify can be missed), then wait on it."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
+        self._taken = False
 
     def current(self) -> asyncio.Event:
+        self._taken = True
         return self._event
 
     def notify(self) -> None:
-        self._event.set()
-        self._event = asyncio.Event()
+        if self._taken:  # nobody can be waiting on an event nobody took
+            self._event.set()
+            self._event = asyncio.Event()
+            self._taken = False
 
 
 class _Subscriber:
@@ -102,6 +107,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._idle.set()
         self._subscribers: set[_Subscriber] = set()
         self._lost: dict[str, asyncio.Future[str]] = {}
+        self._decision_counters: dict[tuple[str, str], Any] = {}
         registry.event_listeners.append(self._on_event)
         registry.closed_listeners.append(self._on_closed)
         registry.capacity_listeners.append(self._changed.notify)
@@ -177,10 +183,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             wait_until = time.monotonic() + budget
         waited = False
         while True:
-            changed = self._changed.current()
             try:
                 return self.registry.assign(demand, transfer_id)
             except NoCapacity as exc:
+                # No await since the attempt, so no change can have slipped in between.
+                changed = self._changed.current()
                 left = (wait_until - time.monotonic()) if wait_until is not None else 0.0
                 if exc.reason == "too_large":
                     raise
@@ -202,8 +209,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     raise ShuttingDown() from None
 
     def _decided(self, rec: AssignmentRecord) -> None:
-        self.metrics.decisions.labels("decode", rec.decode.engine_id).inc()
-        self.metrics.decisions.labels("prefill", rec.prefill.engine_id).inc()
+        for key in (("decode", rec.decode.engine_id), ("prefill", rec.prefill.engine_id)):
+            child = self._decision_counters.get(key)
+            if child is None:
+                child = self._decision_counters[key] = self.metrics.decisions.labels(*key)
+            child.inc()
 
     # ---------------------------------------------------------------- registry RPCs
 
