@@ -41,6 +41,7 @@ log = get_logger("prefill.writer")
 
 EXPIRY_PERIOD_S = 0.05
 IN_FLIGHT_POLL_S = 50e-6  # NIXL state checks while WRITEs are in flight
+SLOW_POLL_S = 1e-3
 
 
 @dataclass
@@ -199,9 +200,13 @@ class PushWriter:
                     self._poll_in_flight()
                 except Exception:
                     log.exception("writer_poll_failed")
-            wait = max(0.0, next_expiry - self.clock())
+            now = self.clock()
+            wait = max(0.0, next_expiry - now)
             if self._in_flight:
-                wait = min(wait, IN_FLIGHT_POLL_S)
+                # Tight polling for the first milliseconds (the common case finishes there),
+                # then back off so a slow target does not burn the engine's CPU.
+                oldest = min(w.started for w in self._in_flight)
+                wait = min(wait, IN_FLIGHT_POLL_S if now - oldest < 2e-3 else SLOW_POLL_S)
             try:
                 event = self._inbox.get(timeout=wait)
             except queue.Empty:
