@@ -156,13 +156,18 @@ def pd_cluster(
     extra: dict[str, Any] | None = None,
     prefill_tp: int = 1,
     decode_tp: int = 1,
+    env: dict[str, str] | None = None,
 ) -> Iterator[PDCluster]:
     """``prefill_tp``/``decode_tp`` > 1 spread that instance's ranks over all cores."""
     log_dir.mkdir(parents=True, exist_ok=True)
     cores = sorted(os.sched_getaffinity(0))
     sched = start_scheduler(log_dir)
     servers: list[tuple[VllmServer, int]] = []
-    env_common = {"PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""), "KVPUSH_LOG_LEVEL": "INFO"}
+    env_common = {
+        "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "KVPUSH_LOG_LEVEL": "INFO",
+        **(env or {}),
+    }
     try:
         for i, (role, tp) in enumerate([("prefill", prefill_tp), ("decode", decode_tp)]):
             port = free_port()
