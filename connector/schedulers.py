@@ -6,6 +6,7 @@ only flags, per step, which transfers' KV the step completes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from connector.config import ConnectorConfig
@@ -29,6 +30,32 @@ def leg_of(request: Any) -> PrefillLeg | DecodeLeg | None:
 
 def _engine_incarnation(handshakes: list[RankHandshake]) -> str:
     return ",".join(h.incarnation for h in handshakes)
+
+
+def register(
+    cfg: ConnectorConfig,
+    role: pb.Role.ValueType,
+    tp_size: int,
+    ranks: list[RankHandshake],
+    load: Callable[[], pb.LoadReport],
+) -> Registration | None:
+    """Registers the engine with the kvpush scheduler and keeps its load stream, when configured."""
+    if not cfg.scheduler_address:
+        return None
+    shape = ranks[0].shape
+    assert shape is not None
+    info = pb.InstanceInfo(
+        engine_id=cfg.engine_id,
+        role=role,
+        incarnation=_engine_incarnation(ranks),
+        tp_size=tp_size,
+        agent_endpoints=[h.endpoint for h in ranks],
+        agent_incarnations=[h.incarnation for h in ranks],
+        total_kv_blocks=ranks[0].num_blocks,
+        tokens_per_block=shape.tokens_per_block,
+        http_endpoint=cfg.http_endpoint,
+    )
+    return Registration(cfg, info, load).start()
 
 
 class DecodeScheduler:
@@ -64,22 +91,7 @@ class DecodeScheduler:
             incarnation=_engine_incarnation(ranks),
         ).start()
         self.cfg.serve_metrics(0)
-        if self.cfg.scheduler_address:
-            self.registration = Registration(
-                self.cfg,
-                pb.InstanceInfo(
-                    engine_id=self.cfg.engine_id,
-                    role=pb.ROLE_DECODE,
-                    incarnation=_engine_incarnation(ranks),
-                    tp_size=self.tp_size,
-                    agent_endpoints=[h.endpoint for h in ranks],
-                    agent_incarnations=[h.incarnation for h in ranks],
-                    total_kv_blocks=ranks[0].num_blocks,
-                    tokens_per_block=shape.tokens_per_block,
-                    http_endpoint=self.cfg.http_endpoint,
-                ),
-                self._load,
-            ).start()
+        self.registration = register(self.cfg, pb.ROLE_DECODE, self.tp_size, ranks, self._load)
 
     def _load(self) -> pb.LoadReport:
         free = self._kv_cache_manager.block_pool.get_num_free_blocks() if self._kv_cache_manager else 0
@@ -169,25 +181,8 @@ class PrefillScheduler:
     def set_handshakes(self, handshakes: dict[int, RankHandshake], kv_cache_manager: Any) -> None:
         ranks = [handshakes[r] for r in sorted(handshakes)]
         self._kv_cache_manager = kv_cache_manager
-        shape = ranks[0].shape
-        assert shape is not None
         log.info("prefill_engine_ready", endpoints=[h.endpoint for h in ranks])
-        if self.cfg.scheduler_address:
-            self.registration = Registration(
-                self.cfg,
-                pb.InstanceInfo(
-                    engine_id=self.cfg.engine_id,
-                    role=pb.ROLE_PREFILL,
-                    incarnation=_engine_incarnation(ranks),
-                    tp_size=self.tp_size,
-                    agent_endpoints=[h.endpoint for h in ranks],
-                    agent_incarnations=[h.incarnation for h in ranks],
-                    total_kv_blocks=ranks[0].num_blocks,
-                    tokens_per_block=shape.tokens_per_block,
-                    http_endpoint=self.cfg.http_endpoint,
-                ),
-                self._load,
-            ).start()
+        self.registration = register(self.cfg, pb.ROLE_PREFILL, self.tp_size, ranks, self._load)
 
     def _load(self) -> pb.LoadReport:
         free = self._kv_cache_manager.block_pool.get_num_free_blocks() if self._kv_cache_manager else 0

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from connector.config import ConnectorConfig
-from connector.kv_layout import describe
+from connector.kv_layout import KvDescription, describe
 from connector.messages import PushMetadata, RankHandshake
 from services.common.layout import new_incarnation
 from services.common.logs import get_logger
@@ -30,6 +30,17 @@ def _tp() -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
+def _register_memory(
+    cfg: ConnectorConfig, kv_caches: dict[str, Any], model_id: str, incarnation: str, side: str
+) -> tuple[int, int, KvDescription, NixlEngine]:
+    """Describes this rank's KV caches and registers them with a new NIXL engine."""
+    rank, tp = _tp()
+    desc = describe(kv_caches, tp, model_id)
+    engine = NixlEngine(f"kvpush-{cfg.engine_id}-{incarnation[:8]}-{side}{rank}")
+    engine.register(desc.ranges)
+    return rank, tp, desc, engine
+
+
 class DecodeWorker:
     def __init__(self, cfg: ConnectorConfig, model_id: str) -> None:
         self.cfg = cfg
@@ -39,10 +50,7 @@ class DecodeWorker:
         self._handshake: RankHandshake | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        rank, tp = _tp()
-        desc = describe(kv_caches, tp, self.model_id)
-        engine = NixlEngine(f"kvpush-{self.cfg.engine_id}-{self.incarnation[:8]}-d{rank}")
-        engine.register(desc.ranges)
+        rank, tp, desc, engine = _register_memory(self.cfg, kv_caches, self.model_id, self.incarnation, "d")
         rcfg = DecodeRankConfig(
             engine_id=self.cfg.engine_id,
             rank=rank,
@@ -102,11 +110,8 @@ class PrefillWorker:
         self._active: set[str] = set()  # request ids handed to the agent
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        rank, tp = _tp()
-        desc = describe(kv_caches, tp, self.model_id)
         incarnation = new_incarnation()
-        engine = NixlEngine(f"kvpush-{self.cfg.engine_id}-{incarnation[:8]}-p{rank}")
-        engine.register(desc.ranges)
+        rank, tp, desc, engine = _register_memory(self.cfg, kv_caches, self.model_id, incarnation, "p")
         acfg = PrefillAgentConfig(
             engine_id=self.cfg.engine_id,
             rank=rank,

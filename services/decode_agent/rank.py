@@ -22,6 +22,7 @@ from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from services.common.aio_thread import LoopThread
 from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection
+from services.common.handoff import Handoff
 from services.common.layout import ModelShape, RankRegions, layout_message
 from services.common.logs import get_logger
 from services.common.nixl_engine import NixlEngine
@@ -62,8 +63,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self.local = local
         self.table = BarrierTable(tombstone_s=config.tombstone_s)
         self._on_release = on_release
-        self._released: list[Released] = []
-        self._released_cv = threading.Condition()
+        self._released: Handoff[Released] = Handoff()
         self._loop = LoopThread(f"kvpush-decode-rank-{config.rank}")
         self._server: grpc.aio.Server | None = None
         self.port = 0
@@ -112,11 +112,8 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
     # ----- host-facing -------------------------------------------------------------------
 
     def take_released(self, timeout_s: float = 0.0) -> list[Released]:
-        with self._released_cv:
-            if not self._released and timeout_s > 0:
-                self._released_cv.wait(timeout_s)
-            out, self._released = self._released, []
-        return out
+        """Drains the released transfers, waiting up to ``timeout_s`` for at least one."""
+        return self._released.take(timeout_s)
 
     # ----- NIXL progress -----------------------------------------------------------------
 
@@ -158,9 +155,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         if self._on_release is not None:
             self._on_release(rel)
         else:
-            with self._released_cv:
-                self._released.append(rel)
-                self._released_cv.notify_all()
+            self._released.put(rel)
 
     # ----- gRPC ---------------------------------------------------------------------------
 

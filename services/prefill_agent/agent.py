@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from services.common.aio_thread import LoopThread
 from services.common.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS, add_health_and_reflection
+from services.common.handoff import Handoff
 from services.common.layout import ModelShape, RankRegions, new_incarnation
 from services.common.logs import get_logger
 from services.common.nixl_engine import NixlEngine
@@ -71,8 +71,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             tp_size=config.tp_size,
         )
         self._on_release = on_release
-        self._released: list[ReleaseBlocks] = []
-        self._released_cv = threading.Condition()
+        self._released: Handoff[ReleaseBlocks] = Handoff()
         self._draining = False
         self._streams = itertools.count(1)
         self._loop = LoopThread(f"kvpush-prefill-{config.rank}")
@@ -149,20 +148,14 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
 
     def take_released(self, timeout_s: float = 0.0) -> list[ReleaseBlocks]:
         """Drains the released transfers, waiting up to ``timeout_s`` for at least one."""
-        with self._released_cv:
-            if not self._released and timeout_s > 0:
-                self._released_cv.wait(timeout_s)
-            out, self._released = self._released, []
-        return out
+        return self._released.take(timeout_s)
 
     def _release(self, rel: ReleaseBlocks) -> None:
         log.info("prefill_blocks_released", transfer_id=rel.transfer_id, request_id=rel.request_id, reason=rel.reason)
         if self._on_release is not None:
             self._on_release(rel)
         else:
-            with self._released_cv:
-                self._released.append(rel)
-                self._released_cv.notify_all()
+            self._released.put(rel)
 
     # ----- completions --------------------------------------------------------------------
 
