@@ -103,6 +103,8 @@ class Bench:
                     yield pb.LoadReport(engine_id=name, incarnation="bench", free_blocks=4_000_000)
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self._stop.wait(), interval)
+                # Goodbye (draining, then half-close): a clean deregistration.
+                yield pb.LoadReport(engine_id=name, incarnation="bench", free_blocks=4_000_000, draining=True)
 
             call = stub.ReportLoad(reports())
             self._streams.append(call)
