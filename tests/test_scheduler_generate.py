@@ -14,7 +14,7 @@ import grpc
 import pytest
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
+from scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
 
 from kvpush.v1 import kvpush_pb2 as pb
 from services.common import transfer_params

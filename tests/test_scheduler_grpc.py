@@ -18,7 +18,7 @@ import pytest
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from test_scheduler_support import WAIT_S, FakeInstance, info, next_event, run, scheduler, wait_for
+from scheduler_support import WAIT_S, FakeInstance, info, next_event, run, scheduler, wait_for
 
 from kvpush.v1 import kvpush_pb2 as pb
 from services.common import transfer_params
