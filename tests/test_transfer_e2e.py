@@ -347,3 +347,17 @@ def test_stalled_target_fails_the_write_instead_of_hanging() -> None:
         assert c.decode.call("verify", [([40], [3])]) == []
     finally:
         c.stop()
+
+
+def test_draining_prefill_refuses_new_streams_and_finishes_open_ones() -> None:
+    c = start_cluster(1, 1, tag="drain")
+    try:
+        _run(c, "before-drain", [20], [1])
+        assert _wait(c, ["before-drain"])["ranks"]["before-drain"] == ("ok", "")
+        c.prefill[0].call("drain")
+        hello = pb.Hello(decode=pb.EngineIdentity(engine_id="late", incarnation="i", role=pb.ROLE_DECODE, tp_size=1))
+        assert _hello_call(c.prefill[0].info["endpoint"], hello).code() is grpc.StatusCode.UNAVAILABLE
+        _run(c, "open-stream", [21], [2])  # the connected decode keeps its stream
+        assert _wait(c, ["open-stream"])["ranks"]["open-stream"] == ("ok", "")
+    finally:
+        c.stop()

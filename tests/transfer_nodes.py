@@ -140,6 +140,9 @@ def prefill_node(
                     break
                 time.sleep(0.01)  # polling a condition under a deadline
             conn.send(got)
+        elif cmd == "drain":
+            agent.drain("test drain")
+            conn.send(None)
         elif cmd == "table":
             conn.send(agent.writer.call(lambda: agent.writer.table.active_count()).result(5))
         elif cmd == "stop":

@@ -125,10 +125,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
     def drain(self, reason: str = "draining") -> None:
         """Refuses new streams; tells connected decode engines to send no new reservations."""
         self._draining = True
-        self.writer.call(lambda: [s.send(pb.PrefillMessage(drain=pb.Drain(reason=reason))) for s in self._sessions()])
-
-    def _sessions(self) -> list[PeerSession]:
-        return list(self.writer._sessions.values())
+        self.writer.broadcast(pb.PrefillMessage(drain=pb.Drain(reason=reason)))
 
     # ----- host-facing API (thread-safe, non-blocking) -----------------------------------
 

@@ -184,6 +184,10 @@ class PushWriter:
     def cancel(self, peer: str, transfer_id: str, epoch: int) -> None:
         self._inbox.put(_Cancel(peer, transfer_id, epoch))
 
+    def broadcast(self, msg: pb.PrefillMessage) -> None:
+        """Sends ``msg`` on every connected decode engine's stream."""
+        self.call(lambda: [session.send(msg) for session in self._sessions.values()])
+
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
         """Runs ``fn`` on the writer thread (for inspection in tests and benchmarks)."""
         fut: Future[Any] = Future()
