@@ -351,8 +351,8 @@ async def both_legs(
     finally:
         if not prefill.done():
             prefill.cancel()
-            with contextlib.suppress(BaseException):
-                await prefill
+        with contextlib.suppress(BaseException):
+            await prefill  # also retrieves a failure of P when D failed first
 
 
 def ours_proxy(c: Client, stub: Any, max_tokens: int) -> Proxy:
@@ -964,8 +964,9 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         "### Latency and throughput per setup",
         "",
-        "| prompt | rate /s | n | setup | ok | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | req/s | hand-off p50 ms |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompt | rate /s | n | setup | ok | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | req/s | "
+        "hand-off p50 ms | load1 / foreign vLLMs |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     dmap = {(d["prompt_len"], d["rate"]): d for d in res["derived"]}
     keys = sorted({(r["prompt_len"], r["rate"]) for rs in results.values() for r in rs})
@@ -979,7 +980,7 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(
                 f"| {length} | {rate:g} | {r['requests']} | {name} | {r['ok']} | {_f(r['ttft_p50_ms'])} | "
                 f"{_f(r['ttft_p99_ms'])} | {_f(r['tpot_p50_ms'], 2)} | {_f(r['tpot_p99_ms'], 2)} | "
-                f"{_f(r['throughput_rps'], 2)}{sus} | {_f(handoff)} |"
+                f"{_f(r['throughput_rps'], 2)}{sus} | {_f(handoff)} | {_f(r.get('load1'))} / {r.get('foreign_vllm', 0)} |"
             )
     lines += [
         "",
@@ -1043,7 +1044,7 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plots(res: dict[str, Any], out_dir: Path) -> list[str]:
+def plots(res: dict[str, Any], out_dir: Path, stem: str = "serving") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1070,7 +1071,7 @@ def plots(res: dict[str, Any], out_dir: Path) -> list[str]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         fig.tight_layout()
-        path = out_dir / f"serving_{metric}.png"
+        path = out_dir / f"{stem}_{metric}.png"
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(str(path))
@@ -1209,7 +1210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(res, indent=1))
     md = markdown(res)
     args.out.with_suffix(".md").write_text(md)
-    res["plots"] = plots(res, args.out.parent)
+    res["plots"] = plots(res, args.out.parent, args.out.stem)
     sys.stdout.write(md)
     sys.stdout.write(f"\nresults: {args.out}, plots: {', '.join(res['plots'])}; {res['total_seconds']:.0f} s\n")
     return 0 if all(r.ok == r.requests for rs in results.values() for r in rs) and results else 1
