@@ -6,7 +6,7 @@ export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install system-deps lock proto proto-check test test-core lint bench bench-transfer bench-scheduler demo install-systemd clean
+.PHONY: install system-deps lock proto proto-check test test-core lint bench bench-transfer bench-scheduler bench-handoff demo install-systemd clean
 
 # Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
 install:
@@ -48,6 +48,10 @@ bench-transfer: install
 
 bench-scheduler: install
 	$(PY) -m benchmarks.scheduler $(ARGS)
+
+# Light load, side by side with one plain instance: the hand-off cost of the push path.
+bench-handoff: install
+	$(PY) -m benchmarks.handoff $(ARGS)
 
 bench: install
 	$(PY) -m benchmarks.serving $(if $(QUICK),--quick,) $(ARGS)
