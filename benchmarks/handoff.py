@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                     res["kvpush_generate"].append((g.ttft_s, g.tpot_s))
         return res
 
-    with pd_cluster(args.model_dir, args.log_dir) as c:
+    with pd_cluster(args.model_dir, args.log_dir, max_model_len=max(1024, 2 * (args.prompt + args.max_tokens))) as c:
         res = asyncio.run(run(c))
     summary = {
         k: {

@@ -157,6 +157,7 @@ def pd_cluster(
     prefill_tp: int = 1,
     decode_tp: int = 1,
     env: dict[str, str] | None = None,
+    max_model_len: int = 1024,
 ) -> Iterator[PDCluster]:
     """``prefill_tp``/``decode_tp`` > 1 spread that instance's ranks over all cores."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -177,6 +178,7 @@ def pd_cluster(
                 model_dir,
                 port=port,
                 max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 kv_transfer_config=connector_config(
                     role, f"{role}-0", sched.address, f"http://127.0.0.1:{port}", **(extra or {})
@@ -193,6 +195,7 @@ def pd_cluster(
             baseline = VllmServer(
                 model_dir,
                 max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 env={"VLLM_CPU_OMP_THREADS_BIND": str(core)},
                 log_path=log_dir / "baseline.log",
