@@ -105,8 +105,8 @@ class DecodeScheduler:
     # ----- hooks --------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if request.request_id in self._tried or not isinstance(leg_of(request), DecodeLeg):
-            return 0, False
+        if self.agent is None or request.request_id in self._tried or not isinstance(leg_of(request), DecodeLeg):
+            return 0, False  # not ours, already tried, or no agent yet: compute locally
         n = request.num_prompt_tokens - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 

@@ -117,6 +117,8 @@ def test_prefill_worker_reports_only_finished_and_released_requests() -> None:
 def test_decode_scheduler_claims_only_its_requests_once() -> None:
     s = DecodeScheduler(ConnectorConfig(engine_id="d", role="decode"), _vllm_cfg())
     leg = DecodeLeg("t", 1, "p", "", 1, ["127.0.0.1:1"])
+    assert s.get_num_new_matched_tokens(_Req("a", 300, to_params(leg)), 0) == (0, False)  # no agent yet
+    s.agent = SimpleNamespace()  # type: ignore[assignment]
     assert s.get_num_new_matched_tokens(_Req("a", 300, to_params(leg)), 0) == (300, True)
     assert s.get_num_new_matched_tokens(_Req("a", 300, to_params(leg)), 128) == (172, True)
     assert s.get_num_new_matched_tokens(_Req("a", 300, to_params(leg)), 300) == (0, False)

@@ -40,11 +40,15 @@ def expected(cluster: PDCluster) -> dict[int, list[int]]:
     return {n: complete(cluster.baseline.base_url, prompt_of(n), MAX_TOKENS)[0] for n in LENGTHS}
 
 
-def _decode_free_blocks(c: PDCluster) -> int:
+def _decode_load(c: PDCluster) -> pb.LoadReport:
     for s in c.stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances:
         if s.instance.role == pb.ROLE_DECODE:
-            return s.load.free_blocks
+            return s.load
     raise AssertionError("no decode instance registered")
+
+
+def _decode_free_blocks(c: PDCluster) -> int:
+    return _decode_load(c).free_blocks
 
 
 def _wait_free_blocks(c: PDCluster, want: int, timeout_s: float = 30.0) -> int:
@@ -59,10 +63,16 @@ def _wait_free_blocks(c: PDCluster, want: int, timeout_s: float = 30.0) -> int:
 
 @pytest.fixture(scope="module")
 def free_baseline(cluster: PDCluster) -> int:
-    # One warm-up request, then the idle count.
+    """Decode's free blocks once idle: after a warm-up request, the first load report that shows
+    no request holding blocks (reports come every 500 ms)."""
     cluster.generate(prompt_of(100, seed=99), 2)
-    time.sleep(1.2)  # two load-report intervals: the idle count is settled
-    return _decode_free_blocks(cluster)
+    deadline = time.monotonic() + 30
+    load = _decode_load(cluster)
+    while (load.running_requests or load.waiting_requests) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        load = _decode_load(cluster)
+    assert not (load.running_requests or load.waiting_requests), load
+    return load.free_blocks
 
 
 def test_sequential_outputs_equal_single_instance(cluster: PDCluster, expected: dict[int, list[int]]) -> None:
