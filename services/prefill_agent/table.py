@@ -51,6 +51,7 @@ class StartWrite:
     reservation: Reservation
     done: PrefillDone
     src_block_ids: tuple[tuple[int, ...], ...]  # local blocks aligned with reservation.block_ids
+    match_wait_s: float = 0.0  # from the first of (reservation, prefill done) to the second
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,7 @@ class _Entry:
     cancel_waiters: list[tuple[str, int]] = field(default_factory=list)
     reason: str = ""
     cancelled_epoch: int = 0  # newest epoch a Cancel named
+    created: float = 0.0
 
 
 class TransferTable:
@@ -126,7 +128,7 @@ class TransferTable:
         e = self._entries.get(res.transfer_id)
         if e is None:
             self._entries[res.transfer_id] = _Entry(
-                res.transfer_id, PrefillState.WAITING_PREFILL, now + res.lease_s, reservation=res
+                res.transfer_id, PrefillState.WAITING_PREFILL, now + res.lease_s, reservation=res, created=now
             )
             return []
         current = e.next_reservation or e.reservation
@@ -159,7 +161,7 @@ class TransferTable:
         e = self._entries.get(done.transfer_id)
         if e is None:
             self._entries[done.transfer_id] = _Entry(
-                done.transfer_id, PrefillState.WAITING_RESERVATION, now + self.prefill_lease_s, done=done
+                done.transfer_id, PrefillState.WAITING_RESERVATION, now + self.prefill_lease_s, done=done, created=now
             )
             return []
         if e.state is PrefillState.WAITING_PREFILL:
@@ -278,7 +280,7 @@ class TransferTable:
             ]
         e.state = PrefillState.WRITING
         e.deadline = float("inf")
-        return [StartWrite(res, done, src)]
+        return [StartWrite(res, done, src, now - e.created)]
 
     @staticmethod
     def _reject(res: Reservation, code: grpc.StatusCode, message: str) -> Reject:

@@ -149,7 +149,6 @@ class PushWriter:
         self.clock = clock
         self._sessions: dict[str, PeerSession] = {}
         self._in_flight: list[_Write] = []
-        self._first_seen: dict[str, float] = {}
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"kvpush-writer-{rank}", daemon=True)
 
@@ -232,14 +231,12 @@ class PushWriter:
         now = self.clock()
         if isinstance(event, _Reserve):
             res = event.reservation
-            self._first_seen.setdefault(res.transfer_id, now)
             problem = self._validate(res)
             if problem is not None:
                 self._execute([Reject(res.peer, res.transfer_id, res.epoch, grpc.StatusCode.INVALID_ARGUMENT, problem)])
                 return
             self._execute(self.table.on_reservation(res, now))
         elif isinstance(event, _Done):
-            self._first_seen.setdefault(event.done.transfer_id, now)
             self._execute(self.table.on_prefill_done(event.done, now))
         elif isinstance(event, _Aborted):
             self._execute(self.table.on_prefill_aborted(event.transfer_id, now))
@@ -355,7 +352,6 @@ class PushWriter:
                     ),
                 )
             elif isinstance(action, ReleaseBlocks):
-                self._first_seen.pop(action.transfer_id, None)
                 self.release(action)
 
     def _send(self, peer: str, msg: pb.PrefillMessage) -> None:
@@ -368,9 +364,7 @@ class PushWriter:
         polled from the main loop, so one slow target never holds up the other transfers."""
         res = action.reservation
         tid = res.transfer_id
-        first = self._first_seen.get(tid)
-        if first is not None:
-            metrics.MATCH_WAIT_SECONDS.observe(self.clock() - first)
+        metrics.MATCH_WAIT_SECONDS.observe(action.match_wait_s)
         session = self._sessions.get(res.peer)
         if session is None:
             reason = "decode stream lost before the write"
