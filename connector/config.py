@@ -27,6 +27,9 @@ class ConnectorConfig:
     prefill_lease_s: float = 30.0
     reservation_lease_ms: int = 30_000
     poll_interval_us: float = 100.0
+    # NIXL UCX backend's error handling: "" keeps NIXL's default ("peer": dead peers detected on
+    # every transport); "none" lets cma WRITEs complete without the target calling into NIXL.
+    ucx_error_handling_mode: str = ""
     load_report_ms: int = 500
     # Prometheus: the engine-core process serves base, worker rank r serves base + 1 + r; 0: off.
     metrics_base_port: int = 0
@@ -53,6 +56,9 @@ class ConnectorConfig:
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(f"kv_connector_extra_config[{key!r}]: {exc}") from exc
         return cls(engine_id=str(kv_transfer_config.engine_id), role=role, **values)
+
+    def ucx_params(self) -> dict[str, str]:
+        return {"ucx_error_handling_mode": self.ucx_error_handling_mode} if self.ucx_error_handling_mode else {}
 
     def port_for(self, rank: int) -> int:
         return self.agent_base_port + rank if self.agent_base_port else 0

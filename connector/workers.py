@@ -36,7 +36,7 @@ def _register_memory(
     """Describes this rank's KV caches and registers them with a new NIXL engine."""
     rank, tp = _tp()
     desc = describe(kv_caches, tp, model_id)
-    engine = NixlEngine(f"kvpush-{cfg.engine_id}-{incarnation[:8]}-{side}{rank}")
+    engine = NixlEngine(f"kvpush-{cfg.engine_id}-{incarnation[:8]}-{side}{rank}", cfg.ucx_params())
     engine.register(desc.ranges)
     return rank, tp, desc, engine
 

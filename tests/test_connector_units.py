@@ -35,6 +35,10 @@ def test_config_roles_types_and_errors() -> None:
         ConnectorConfig.from_vllm(_kv_cfg(engine_id=None))
     with pytest.raises(ConfigError, match="unknown"):
         ConnectorConfig.from_vllm(_kv_cfg(typo_key=1))
+    assert cfg.ucx_params() == {}
+    assert ConnectorConfig.from_vllm(_kv_cfg(ucx_error_handling_mode="none")).ucx_params() == {
+        "ucx_error_handling_mode": "none"
+    }
     with pytest.raises(ConfigError, match="agent_base_port"):
         ConnectorConfig.from_vllm(_kv_cfg(agent_base_port="x"))
 
