@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -43,3 +46,16 @@ def add_health_and_reflection(server: grpc.Server | grpc.aio.Server, service_nam
 def service_name(short: str) -> str:
     """Fully qualified name of a kvpush service, e.g. ``kvpush.v1.Scheduler``."""
     return kvpush_pb2.DESCRIPTOR.services_by_name[short].full_name
+
+
+async def start_aio_server(
+    add_servicer: Callable[[Any, grpc.aio.Server], None], servicer: Any, name: str, host: str, port: int
+) -> tuple[grpc.aio.Server, int]:
+    """Starts a grpc.aio server for one kvpush service (with health and reflection) on the
+    running loop; returns it and the bound port (``port`` 0 picks a free one)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    add_servicer(servicer, server)
+    add_health_and_reflection(server, [name])
+    bound = server.add_insecure_port(f"{host}:{port}")
+    await server.start()
+    return server, bound

@@ -18,7 +18,7 @@ import grpc
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from services.common.aio_thread import LoopThread
-from services.common.grpc_util import CHANNEL_OPTIONS, SERVER_OPTIONS, add_health_and_reflection
+from services.common.grpc_util import CHANNEL_OPTIONS, start_aio_server
 from services.common.handoff import Handoff
 from services.common.layout import ModelShape, RankRegions, new_incarnation
 from services.common.logs import get_logger
@@ -104,11 +104,9 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         return self
 
     async def _start_server(self) -> None:
-        self._server = grpc.aio.server(options=SERVER_OPTIONS)
-        pb_grpc.add_PrefillAgentServicer_to_server(self, self._server)
-        add_health_and_reflection(self._server, ["PrefillAgent"])
-        self.port = self._server.add_insecure_port(f"{self.config.host}:{self.config.port}")
-        await self._server.start()
+        self._server, self.port = await start_aio_server(
+            pb_grpc.add_PrefillAgentServicer_to_server, self, "PrefillAgent", self.config.host, self.config.port
+        )
 
     def stop(self, grace_s: float = 1.0) -> None:
         if self._server is not None:
