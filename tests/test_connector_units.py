@@ -130,3 +130,18 @@ def test_decode_scheduler_claims_only_its_requests_once() -> None:
     assert s.get_num_new_matched_tokens(_Req("c", 300, {"kvpush": {"role": "bogus"}}), 0) == (0, False)
     s._tried.add("a")
     assert s.get_num_new_matched_tokens(_Req("a", 300, to_params(leg)), 0) == (0, False)
+
+
+def test_connector_processes_serve_prometheus_metrics() -> None:
+    import urllib.request
+
+    from services.common.vllm_server import free_port
+    from services.decode_agent import metrics as decode_metrics
+
+    port = free_port()
+    ConnectorConfig(engine_id="d", role="decode", metrics_base_port=port - 1).serve_metrics(1)
+    decode_metrics.RESERVATIONS.inc()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+        body = resp.read().decode()
+    assert "kvpush_decode_reservations_total" in body
+    assert "kvpush_prefill_writes_total" in body or "kvpush_decode_transfers_total" in body
