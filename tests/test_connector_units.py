@@ -145,3 +145,14 @@ def test_connector_processes_serve_prometheus_metrics() -> None:
         body = resp.read().decode()
     assert "kvpush_decode_reservations_total" in body
     assert "kvpush_prefill_writes_total" in body or "kvpush_decode_transfers_total" in body
+
+
+def test_plugin_registers_the_connector_by_name_idempotently() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from connector.plugin import CONNECTOR_NAME, register
+
+    register()
+    register()  # vLLM loads plugins once per process, but a second call must not raise
+    assert CONNECTOR_NAME in KVConnectorFactory._registry
+    assert CONNECTOR_NAME != "NixlPushConnector"
