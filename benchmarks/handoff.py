@@ -16,74 +16,33 @@ import json
 import statistics
 import sys
 import time
+import uuid
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 from google.protobuf.json_format import MessageToDict
 
+from benchmarks.serving import Client, Sample
 from kvpush.v1 import kvpush_pb2 as pb
 from scripts.pd_cluster import REPO, PDCluster, make_model, pd_cluster
-from services.common.vllm_server import model_name
 
 
-async def _stream(
-    session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], n: int, params: Any
-) -> tuple[float, float]:
-    """(ttft, tpot) of one streamed completion."""
-    body: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": n,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": True,
-    }
-    if params is not None:
-        body["kv_transfer_params"] = params
-    start = time.perf_counter()
-    first = last = 0.0
-    tokens = 0
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        resp.raise_for_status()
-        async for raw in resp.content:
-            line = raw.decode().strip()
-            if not line.startswith("data:") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[5:])
-            got = len(chunk["choices"][0].get("token_ids") or [])
-            if got:
-                now = time.perf_counter()
-                first = first or now
-                last = now
-                tokens += got
-    return first - start, (last - first) / max(1, tokens - 1)
+async def _single(client: Client, url: str, prompt: list[int], n: int) -> tuple[float, float]:
+    s = Sample(ok=False, sent=time.monotonic())
+    await client.stream(url, prompt, n, None, uuid.uuid4().hex, s)
+    return s.ttft, s.tpot
 
 
-async def _pd(
-    c: PDCluster, session: aiohttp.ClientSession, models: dict[str, str], prompt: list[int], n: int
-) -> tuple[float, float]:
-    start = time.perf_counter()
+async def _pd(c: PDCluster, client: Client, prompt: list[int], n: int) -> tuple[float, float]:
+    """What a frontend does: Assign, then both legs at once; TTFT counts from the Assign call."""
+    s = Sample(ok=False, sent=time.monotonic())
     a = c.stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=10)
-    p_params = MessageToDict(a.prefill_kv_transfer_params)
-    d_params = MessageToDict(a.decode_kv_transfer_params)
-    assign_s = time.perf_counter() - start
+    rid = uuid.uuid4().hex
     prefill = asyncio.create_task(
-        session.post(
-            f"{a.prefill.http_endpoint}/v1/completions",
-            json={
-                "model": models["p"],
-                "prompt": prompt,
-                "max_tokens": 1,
-                "temperature": 0.0,
-                "kv_transfer_params": p_params,
-            },
-        )
+        client.once(a.prefill.http_endpoint, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), rid)
     )
-    ttft, tpot = await _stream(session, a.decode.http_endpoint, models["d"], prompt, n, d_params)
-    (await prefill).release()
-    return ttft + assign_s, tpot
+    await client.stream(a.decode.http_endpoint, prompt, n, MessageToDict(a.decode_kv_transfer_params), rid, s)
+    await prefill
+    return s.ttft, s.tpot
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,22 +58,20 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run(c: PDCluster) -> dict[str, list[tuple[float, float]]]:
         assert c.baseline is not None
-        models = {
-            "p": model_name(c.prefill.base_url),
-            "d": model_name(c.decode.base_url),
-            "b": model_name(c.baseline.base_url),
-        }
         res: dict[str, list[tuple[float, float]]] = {"single": [], "kvpush": [], "kvpush_generate": []}
-        async with aiohttp.ClientSession() as session:
+        client = Client(args.max_tokens, request_timeout_s=120)
+        try:
             for i in range(args.n + 2):
                 prompt = [(7919 * i + 31 * j) % 1000 + 3 for j in range(args.prompt)]
-                single = await _stream(session, c.baseline.base_url, models["b"], prompt, args.max_tokens, None)
-                pd = await _pd(c, session, models, [t + 1 for t in prompt], args.max_tokens)
+                single = await _single(client, c.baseline.base_url, prompt, args.max_tokens)
+                pd = await _pd(c, client, [t + 1 for t in prompt], args.max_tokens)
                 g = await asyncio.to_thread(c.generate_timed, [t + 2 for t in prompt], args.max_tokens)
                 if i >= 2:  # warm-up
                     res["single"].append(single)
                     res["kvpush"].append(pd)
                     res["kvpush_generate"].append((g.ttft_s, g.tpot_s))
+        finally:
+            await client.close()
         return res
 
     with pd_cluster(args.model_dir, args.log_dir, max_model_len=max(1024, 2 * (args.prompt + args.max_tokens))) as c:
