@@ -79,3 +79,16 @@ def layout_message(
         dtype=shape.dtype,
         completion_endpoint=completion_endpoint,
     )
+
+
+def engine_identity(
+    engine_id: str, role: pb.Role.ValueType, tp_size: int, shape: ModelShape, incarnation: str | None = None
+) -> pb.EngineIdentity:
+    """How an agent presents its engine to peers; a new incarnation unless one is given."""
+    return pb.EngineIdentity(
+        engine_id=engine_id,
+        incarnation=incarnation or new_incarnation(),
+        compatibility_hash=shape.compatibility_hash(),
+        role=role,
+        tp_size=tp_size,
+    )

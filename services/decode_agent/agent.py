@@ -23,7 +23,7 @@ from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from services.common.aio_thread import LoopThread
 from services.common.grpc_util import CHANNEL_OPTIONS
-from services.common.layout import ModelShape, new_incarnation
+from services.common.layout import ModelShape, engine_identity
 from services.common.logs import get_logger
 from services.common.tp import prefill_ranks_into
 from services.common.transfer_params import DecodeLeg
@@ -97,13 +97,7 @@ class DecodeAgent:
         if [r.tp_rank for r in rank_layouts] != list(range(config.tp_size)):
             raise ValueError(f"need the layouts of decode ranks 0..{config.tp_size - 1}")
         self.config = config
-        self.identity = pb.EngineIdentity(
-            engine_id=config.engine_id,
-            incarnation=incarnation or new_incarnation(),
-            compatibility_hash=config.shape.compatibility_hash(),
-            role=pb.ROLE_DECODE,
-            tp_size=config.tp_size,
-        )
+        self.identity = engine_identity(config.engine_id, pb.ROLE_DECODE, config.tp_size, config.shape, incarnation)
         self.rank_layouts = rank_layouts
         self.on_settled = on_settled
         self._epochs = itertools.count(1)

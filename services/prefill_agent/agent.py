@@ -20,7 +20,7 @@ from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from services.common.aio_thread import LoopThread
 from services.common.grpc_util import CHANNEL_OPTIONS, start_aio_server
 from services.common.handoff import Handoff
-from services.common.layout import ModelShape, RankRegions, new_incarnation
+from services.common.layout import ModelShape, RankRegions, engine_identity
 from services.common.logs import get_logger
 from services.common.nixl_engine import NixlEngine
 from services.common.tp import TopologyError, head_slices
@@ -63,13 +63,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         on_release: Callable[[ReleaseBlocks], None] | None = None,
     ) -> None:
         self.config = config
-        self.identity = pb.EngineIdentity(
-            engine_id=config.engine_id,
-            incarnation=incarnation or new_incarnation(),
-            compatibility_hash=config.shape.compatibility_hash(),
-            role=pb.ROLE_PREFILL,
-            tp_size=config.tp_size,
-        )
+        self.identity = engine_identity(config.engine_id, pb.ROLE_PREFILL, config.tp_size, config.shape, incarnation)
         self._on_release = on_release
         self._released: Handoff[ReleaseBlocks] = Handoff()
         self._draining = False
