@@ -12,6 +12,14 @@ class ConfigError(ValueError):
     pass
 
 
+def _bool(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, str) and raw.lower() in ("1", "true", "yes", "0", "false", "no", ""):
+        return raw.lower() in ("1", "true", "yes")
+    raise ValueError(f"expected a boolean, got {raw!r}")
+
+
 @dataclass(frozen=True)
 class ConnectorConfig:
     engine_id: str
@@ -21,7 +29,15 @@ class ConnectorConfig:
     advertise_host: str = ""  # host peers use to reach the agents; defaults to agent_host
     scheduler_address: str = ""  # host:port of the kvpush scheduler; empty: do not register
     http_endpoint: str = ""  # this instance's OpenAI server, for the scheduler registry
-    auth_token: str = ""
+    auth_token_file: str = ""  # file holding the shared stream secret (never the secret itself)
+    # mTLS: PEM files of the cluster CA, this engine's certificate (SAN spiffe://kvpush/<role>/<engine_id>)
+    # and its key. Plaintext only with insecure=true (logged as a warning at start-up).
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    insecure: bool = False
+    # Public key (PEM, Ed25519) that verifies the scheduler-signed kv_transfer_params legs.
+    leg_public_key_file: str = ""
     model_id: str = ""  # part of the compatibility hash; defaults to the model path's basename
     grace_s: float = 2.0
     prefill_lease_s: float = 30.0
@@ -52,10 +68,20 @@ class ConnectorConfig:
         for key, raw in extra.items():
             typ = known[key].type
             try:
-                values[key] = {"int": int, "float": float, "str": str}[str(typ)](raw)
+                values[key] = {"int": int, "float": float, "str": str, "bool": _bool}[str(typ)](raw)
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(f"kv_connector_extra_config[{key!r}]: {exc}") from exc
         return cls(engine_id=str(kv_transfer_config.engine_id), role=role, **values)
+
+    def auth_token(self) -> str:
+        """The shared stream secret, read from ``auth_token_file`` (empty when none is configured)."""
+        if not self.auth_token_file:
+            return ""
+        try:
+            with open(self.auth_token_file, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError as exc:
+            raise ConfigError(f"auth_token_file: {exc}") from exc
 
     def ucx_params(self) -> dict[str, str]:
         return {"ucx_error_handling_mode": self.ucx_error_handling_mode} if self.ucx_error_handling_mode else {}

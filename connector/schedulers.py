@@ -83,7 +83,7 @@ class DecodeScheduler:
                 engine_id=self.cfg.engine_id,
                 tp_size=self.tp_size,
                 shape=shape,
-                auth_token=self.cfg.auth_token,
+                auth_token=self.cfg.auth_token(),
                 grace_s=self.cfg.grace_s,
                 reservation_lease_ms=self.cfg.reservation_lease_ms,
             ),

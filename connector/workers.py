@@ -119,7 +119,7 @@ class PrefillWorker:
             shape=desc.shape,
             host=self.cfg.agent_host,
             port=self.cfg.port_for(rank),
-            auth_token=self.cfg.auth_token,
+            auth_token=self.cfg.auth_token(),
             prefill_lease_s=self.cfg.prefill_lease_s,
         )
         self.agent = PrefillAgent(acfg, engine, desc.regions, incarnation=incarnation, on_release=self._on_release)
