@@ -17,8 +17,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
 
 from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from services.common import transfer_params
 from services.scheduler.model import State
+from services.scheduler.server import SchedulerConfig, SchedulerServer
 
 
 @dataclass
@@ -261,5 +263,46 @@ def test_shutdown_lets_inflight_generate_finish() -> None:
             assert [t for m in got for t in m.token_ids] == [11, 12, 13, 14] and got[-1].finished
             await asyncio.wait_for(stopping, WAIT_S)
             assert all(r.state is State.OK for r in server.registry.closed.values())
+
+    run(body())
+
+
+def test_readiness_probe_waits_for_the_openai_server() -> None:
+    """An instance that registered before its OpenAI server answers is not assignable; once
+    GET /health answers 200 it is, without re-registering."""
+
+    async def body() -> None:
+        health_ok = asyncio.Event()
+
+        async def health(request: web.Request) -> web.Response:
+            return web.Response(status=200 if health_ok.is_set() else 503)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        server = SchedulerServer(SchedulerConfig(listen="127.0.0.1:0", readiness_probe=True))
+        await server.start()
+        channel = grpc.aio.insecure_channel(server.address)
+        stub = pb_grpc.SchedulerStub(channel)
+        try:
+            d = await FakeInstance(stub, info("d0", http=url)).start()
+            p = await FakeInstance(stub, info("p0", role=pb.ROLE_PREFILL, http=url)).start()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Assign(pb.AssignRequest(prompt_tokens=10))  # no deadline: no queueing
+            assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "not serving yet" in (err.value.details() or "")
+            health_ok.set()
+            a = await stub.Assign(pb.AssignRequest(prompt_tokens=10), timeout=WAIT_S)
+            assert a.decode.engine_id == "d0" and a.prefill.engine_id == "p0"
+            await d.close()
+            await p.close()
+        finally:
+            await channel.close()
+            await server.stop(1.0)
+            await runner.cleanup()
 
     run(body())

@@ -254,3 +254,42 @@ def test_prefix_affinity() -> None:
     assert len(set(homes.values())) > 1
     assert pol.choose(cands, Demand(16)) in cands  # no hint: p2c
     assert decode_policy("affinity").name == "affinity"
+
+
+def test_instances_are_assignable_only_once_ready(clock: Clock) -> None:
+    reg = Registry(lease=LeaseConfig(interval_s=0.1, misses=3), clock=clock, first_epoch=1, require_ready=True)
+    reg.register(spec("d0"))
+    reg.register(spec("p0", Role.PREFILL))
+    with pytest.raises(NoCapacity, match="not serving yet"):
+        reg.assign(Demand(100))
+    assert {s.engine_id for s in reg.unready()} == {"d0", "p0"}
+    assert reg.mark_ready("d0", "i1")
+    assert not reg.mark_ready("d0", "i1")  # once
+    assert not reg.mark_ready("p0", "stale-incarnation")
+    with pytest.raises(NoCapacity, match="no live prefill"):
+        reg.assign(Demand(100))
+    assert reg.mark_ready("p0", "i1")
+    assert reg.assign(Demand(100)).decode.engine_id == "d0"
+    # A restart (new incarnation) starts unready again.
+    reg.register(spec("p0", Role.PREFILL, inc="i2"))
+    with pytest.raises(NoCapacity, match="not serving yet"):
+        reg.assign(Demand(100))
+
+
+def test_assignments_without_release_expire(reg: Registry, clock: Clock) -> None:
+    reg.lease = LeaseConfig(interval_s=0.1, misses=3, settle_s=0.2, assignment_ttl_s=5.0)
+    reg.register(spec("d0"))
+    reg.register(spec("p0", Role.PREFILL))
+    closed: list[str] = []
+    reg.closed_listeners.append(lambda r: closed.append(r.transfer_id))
+    forgotten = reg.assign(Demand(100))
+    held = reg.assign(Demand(100))
+    held.held = True
+    clock.t += 4.0
+    assert reg.expire_assignments() == []
+    clock.t += 1.5
+    assert [r.transfer_id for r in reg.expire_assignments()] == [forgotten.transfer_id]
+    assert closed == [forgotten.transfer_id]
+    assert forgotten.state is State.FAILED and "no Release" in forgotten.reason
+    assert held.state is State.OPEN
+    assert reg.instances["d0"].open == {held.transfer_id}

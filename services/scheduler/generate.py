@@ -96,6 +96,14 @@ class OpenAIClient:
         self._models[endpoint] = name
         return name
 
+    async def healthy(self, endpoint: str, timeout_s: float = 2.0) -> bool:
+        """True when the server answers ``GET /health`` with 200 (it serves requests)."""
+        try:
+            async with self._http().get(f"{endpoint}/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError):
+            return False
+
     def _body(self, model: str, p: GenerateParams, params: dict[str, Any], stream: bool) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": model,

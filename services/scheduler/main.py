@@ -66,6 +66,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=_env("MODEL", ""),
         help="served model name for Generate; empty: the first entry of GET /v1/models",
     )
+    p.add_argument(
+        "--readiness-probe",
+        type=int,
+        choices=(0, 1),
+        default=int(_env("READINESS_PROBE", "1")),
+        help="1: an instance is assignable only once its OpenAI server answers GET /health (default)",
+    )
+    p.add_argument(
+        "--assignment-ttl-s",
+        type=float,
+        default=float(_env("ASSIGNMENT_TTL_S", "600")),
+        help="an Assign with no Release this long after is closed as failed",
+    )
     p.add_argument("--http-read-timeout-s", type=float, default=float(_env("HTTP_READ_TIMEOUT_S", "600")))
     p.add_argument(
         "--grace-s",
@@ -95,11 +108,13 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
             interval_s=args.lease_interval_ms / 1000.0,
             misses=args.lease_misses,
             settle_s=args.settle_ms / 1000.0,
+            assignment_ttl_s=args.assignment_ttl_s,
         ),
         decode_policy=args.decode_policy,
         servicer=ServicerConfig(max_queue_s=args.max_queue_s, max_queued=args.max_queued),
         model=args.model,
         http_read_timeout_s=args.http_read_timeout_s,
+        readiness_probe=bool(args.readiness_probe),
     )
 
 

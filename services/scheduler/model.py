@@ -122,6 +122,9 @@ class Instance:
     # Assignments the instance's reports do not reflect yet: transfer id -> (blocks, assigned at).
     pending: dict[str, tuple[int, float]] = field(default_factory=dict)
     pending_blocks: int = 0
+    # Assignable only once its OpenAI server answers (the scheduler probes ``http_endpoint``);
+    # an instance without one (Assign-only deployments) is ready when it registers.
+    ready: bool = False
 
     @property
     def engine_id(self) -> str:
@@ -192,3 +195,5 @@ class AssignmentRecord:
     created_at: float
     state: State = State.OPEN
     reason: str = ""
+    # Generate owns the record and releases it itself; others expire without a Release.
+    held: bool = False

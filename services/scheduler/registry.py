@@ -44,6 +44,9 @@ class LeaseConfig:
     # A pending (not yet reported) assignment counts against its decode until a report arrives this
     # long after it was made; by then the decode has allocated the blocks and reports them.
     settle_s: float = 0.5
+    # An assignment handed to a frontend (Assign) with no Release this long after is closed as
+    # failed, so a frontend that forgets Release cannot hold decode capacity forever.
+    assignment_ttl_s: float = 600.0
 
     @property
     def timeout_s(self) -> float:
@@ -59,8 +62,11 @@ class Registry:
         clock: Callable[[], float] = time.monotonic,
         closed_history: int = 65536,
         first_epoch: int | None = None,
+        require_ready: bool = False,
     ) -> None:
         self.lease = lease or LeaseConfig()
+        # When set, an instance with an http_endpoint is assignable only after mark_ready.
+        self.require_ready = require_ready
         self.decode_policy: DecodePolicy = decode_policy or PowerOfTwoChoices()
         self.prefill_policy: PrefillPolicy = prefill_policy or LeastBusy()
         self.clock = clock
@@ -106,11 +112,26 @@ class Registry:
                     old.spec = spec
                 return old
             self._remove(old, EventKind.DEAD, f"replaced by incarnation {spec.incarnation}")
-        inst = Instance(spec=spec, registered_at=now, last_seen=now)
+        inst = Instance(
+            spec=spec, registered_at=now, last_seen=now, ready=not (self.require_ready and spec.http_endpoint)
+        )
         self.instances[spec.engine_id] = inst
         self._emit(Event(EventKind.REGISTERED, spec))
         self._capacity()
         return inst
+
+    def unready(self) -> list[InstanceSpec]:
+        """Registered instances whose OpenAI server has not answered yet."""
+        return [i.spec for i in self.instances.values() if not i.ready]
+
+    def mark_ready(self, engine_id: str, incarnation: str) -> bool:
+        """The instance's OpenAI server answered: it becomes assignable. False when it is gone."""
+        inst = self.instances.get(engine_id)
+        if inst is None or inst.spec.incarnation != incarnation or inst.ready:
+            return False
+        inst.ready = True
+        self._capacity()
+        return True
 
     def _lookup(self, engine_id: str, incarnation: str) -> Instance:
         inst = self.instances.get(engine_id)
@@ -156,6 +177,18 @@ class Registry:
             self._remove(inst, EventKind.DEAD, f"lease expired: no load report for {now - inst.last_seen:.3f}s")
         return dead
 
+    def expire_assignments(self, now: float | None = None) -> list[AssignmentRecord]:
+        """Closes, as failed, assignments handed out by Assign that saw no Release within the TTL."""
+        now = self.clock() if now is None else now
+        cutoff = now - self.lease.assignment_ttl_s
+        stale = [r for r in self.open.values() if not r.held and r.created_at <= cutoff]
+        for rec in stale:
+            self._close(rec, State.FAILED, f"no Release within {self.lease.assignment_ttl_s:g}s")
+            self._notify_closed(rec)
+        if stale:
+            self._capacity()
+        return stale
+
     def next_expiry(self) -> float | None:
         if not self.instances:
             return None
@@ -186,8 +219,12 @@ class Registry:
         prefills: list[Instance] = []
         fitting: list[Instance] = []
         blocks_by_tpb: dict[int, int] = {}
+        unready = 0
         for inst in self.instances.values():
             if inst.draining:
+                continue
+            if not inst.ready:
+                unready += 1
                 continue
             if inst.spec.role is Role.PREFILL:
                 prefills.append(inst)
@@ -199,10 +236,11 @@ class Registry:
                 need = blocks_by_tpb[tpb] = demand.blocks_on(tpb)
             if inst.projected_free >= need:
                 fitting.append(inst)
+        starting = f" ({unready} registered, not serving yet)" if unready else ""
         if not decodes:
-            raise NoCapacity("no_decode", "no live decode instance is registered")
+            raise NoCapacity("no_decode", f"no live decode instance is ready{starting}")
         if not prefills:
-            raise NoCapacity("no_prefill", "no live prefill instance is registered")
+            raise NoCapacity("no_prefill", f"no live prefill instance is ready{starting}")
         if not fitting:
             best = max(decodes, key=lambda d: d.projected_free)
             need = demand.blocks_on(best.spec.tokens_per_block)

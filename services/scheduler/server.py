@@ -19,6 +19,9 @@ from services.scheduler.policy import LeastBusy, decode_policy
 from services.scheduler.registry import LeaseConfig, Registry
 from services.scheduler.servicer import SchedulerServicer, ServicerConfig
 
+PROBE_PERIOD_S = 0.2
+PROBE_TIMEOUT_S = 2.0
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -28,6 +31,8 @@ class SchedulerConfig:
     servicer: ServicerConfig = field(default_factory=ServicerConfig)
     model: str = ""  # served model name for Generate; empty: first entry of GET /v1/models
     http_read_timeout_s: float = 600.0
+    # Probe each instance's OpenAI server: assignable only once GET /health answers 200.
+    readiness_probe: bool = False
 
 
 class SchedulerServer:
@@ -37,7 +42,10 @@ class SchedulerServer:
         self.config = config
         self.log = get_logger("scheduler")
         self.registry = Registry(
-            lease=config.lease, decode_policy=decode_policy(config.decode_policy), prefill_policy=LeastBusy()
+            lease=config.lease,
+            decode_policy=decode_policy(config.decode_policy),
+            prefill_policy=LeastBusy(),
+            require_ready=config.readiness_probe,
         )
         self.metrics = Metrics(self.registry)
         self.client = OpenAIClient(model=config.model, read_timeout_s=config.http_read_timeout_s)
@@ -49,6 +57,7 @@ class SchedulerServer:
         self.health = add_health_and_reflection(self.server, ["Scheduler"])
         self.port = 0
         self._sweeper: asyncio.Task[None] | None = None
+        self._prober: asyncio.Task[None] | None = None
         self._stopped = asyncio.Event()
 
     @property
@@ -62,6 +71,8 @@ class SchedulerServer:
             raise RuntimeError(f"could not bind {self.config.listen}")
         await self.server.start()
         self._sweeper = asyncio.create_task(self._sweep(), name="lease-sweeper")
+        if self.config.readiness_probe:
+            self._prober = asyncio.create_task(self._probe(), name="readiness-prober")
         self.log.info(
             "scheduler_started",
             address=self.address,
@@ -78,6 +89,25 @@ class SchedulerServer:
             delay = lease.interval_s if nxt is None else nxt - time.monotonic() + 0.001
             await asyncio.sleep(min(max(delay, 0.001), lease.interval_s))
             self.registry.expire()
+            self.registry.expire_assignments()
+
+    async def _probe(self) -> None:
+        """Makes registered instances assignable once their OpenAI server answers ``/health``."""
+        while True:
+            specs = self.registry.unready()
+            if specs:
+                results = await asyncio.gather(
+                    *(self.client.healthy(s.http_endpoint, PROBE_TIMEOUT_S) for s in specs), return_exceptions=True
+                )
+                for spec, ok in zip(specs, results, strict=True):
+                    if ok is True and self.registry.mark_ready(spec.engine_id, spec.incarnation):
+                        self.log.info(
+                            "instance_ready",
+                            engine_id=spec.engine_id,
+                            incarnation=spec.incarnation,
+                            role=spec.role.value,
+                        )
+            await asyncio.sleep(PROBE_PERIOD_S)
 
     async def stop(self, grace_s: float = 30.0) -> None:
         """Refuses new assignments at once, lets in-flight Assign/Generate calls finish for up to
@@ -90,8 +120,9 @@ class SchedulerServer:
         for name in (service_name("Scheduler"), ""):
             self.health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
         idle = await self.servicer.wait_idle(grace_s)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
+        for task in (self._sweeper, self._prober):
+            if task is not None:
+                task.cancel()
         await self.server.stop(0.2)
         await self.client.close()
         self._executor.shutdown(wait=False)

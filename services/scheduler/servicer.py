@@ -349,6 +349,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 raise InvalidArgument("temperature must be >= 0")
             demand = Demand(len(request.prompt_token_ids), request.max_tokens)
             rec = await self._admit(demand, "", context.time_remaining())
+            rec.held = True  # released below, whatever happens
         except SchedulerError as exc:
             if isinstance(exc, NoCapacity):
                 self.metrics.rejections.labels(exc.reason).inc()
