@@ -6,7 +6,7 @@ export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install system-deps lock proto proto-check test test-core lint bench bench-transfer bench-scheduler bench-handoff demo install-systemd clean
+.PHONY: install system-deps lock proto proto-check test test-core lint bench bench-transfer bench-scheduler bench-handoff demo certs install-systemd clean
 
 # Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
 install:
@@ -58,6 +58,12 @@ bench: install
 
 demo: install
 	$(PY) -m scripts.demo $(ARGS)
+
+# Development PKI for mTLS in certs/: a CA, scheduler, frontend and per-engine certificates
+# (default prefill-0 decode-0), and the leg-signing key pair. Keeps an existing CA.
+# E.g. make certs ARGS="prefill-0 prefill-1 decode-0 decode-1 --host 10.0.0.11"; ARGS=--force renews all.
+certs: install
+	$(PY) -m scripts.make_certs $(ARGS)
 
 DESTDIR ?=
 PREFIX  ?= /opt/kvpush

@@ -25,6 +25,7 @@ import resource
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -68,9 +69,25 @@ def _summary(name: str, lat: list[float], errors: int, seconds: float, offered: 
     }
 
 
+def _instance_names(decodes: int, prefills: int) -> list[tuple[str, str]]:
+    """(role, engine id) of the fake instances: d0.. then p<decodes>.."""
+    return [("decode", f"d{i}") if i < decodes else ("prefill", f"p{i}") for i in range(decodes + prefills)]
+
+
+def _security(certs: Path, name: str) -> Any:
+    from services.common.security import Security, TlsFiles
+
+    return Security.mtls(TlsFiles.in_dir(certs, name))
+
+
 class Bench:
-    def __init__(self, address: str, channels: int) -> None:
-        self.channels = [grpc.aio.insecure_channel(address) for _ in range(channels)]
+    """Clients hold the frontend certificate; each fake instance registers with its own (mTLS, as
+    deployed)."""
+
+    def __init__(self, address: str, channels: int, certs: Path) -> None:
+        self.address, self.certs = address, certs
+        frontend = _security(certs, "frontend")
+        self.channels = [frontend.aio_channel(address) for _ in range(channels)]
         self.stubs = [pb_grpc.SchedulerStub(c) for c in self.channels]
         self._n = 0
         self._streams: list[Any] = []
@@ -81,10 +98,10 @@ class Bench:
         return self.stubs[self._n % len(self.stubs)]
 
     async def register(self, decodes: int, prefills: int) -> None:
-        stub = self.stubs[0]
-        for i in range(decodes + prefills):
+        for i, (_, name) in enumerate(_instance_names(decodes, prefills)):
             role = pb.ROLE_DECODE if i < decodes else pb.ROLE_PREFILL
-            name = f"{'d' if role == pb.ROLE_DECODE else 'p'}{i}"
+            self.channels.append(_security(self.certs, name).aio_channel(self.address))
+            stub = pb_grpc.SchedulerStub(self.channels[-1])
             info = pb.InstanceInfo(
                 engine_id=name,
                 role=role,
@@ -190,9 +207,9 @@ class Bench:
             await c.close()
 
 
-async def _wait_serving(address: str, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+async def _wait_serving(address: str, proc: subprocess.Popen[bytes], certs: Path, timeout: float = 30) -> None:
     end = time.monotonic() + timeout
-    async with grpc.aio.insecure_channel(address) as ch:
+    async with _security(certs, "frontend").aio_channel(address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             if proc.poll() is not None:
@@ -240,13 +257,14 @@ class _EchoScheduler(pb_grpc.SchedulerServicer):
         return pb.ReleaseResponse()
 
 
-async def _serve_echo(address: str) -> None:
+async def _serve_echo(address: str, certs: Path) -> None:
+    """The same transport as the scheduler (mTLS), no logic and no per-method authorization."""
     from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection
 
     server = grpc.aio.server(options=SERVER_OPTIONS, migration_thread_pool=ThreadPoolExecutor(2))
     pb_grpc.add_SchedulerServicer_to_server(_EchoScheduler(), server)
     add_health_and_reflection(server, ["Scheduler"])
-    server.add_insecure_port(address)
+    _security(certs, "scheduler").add_port(server, address)
     await server.start()
     await server.wait_for_termination()
 
@@ -274,8 +292,19 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from scripts.make_certs import make_certs
+    from services.common.leg_signing import write_keypair
+    from services.common.security import TlsFiles
+
     port, metrics_port = _free_port(), _free_port()
     address = f"127.0.0.1:{port}"
+    # Measured as deployed: every Assign signs both legs (Ed25519) with a throwaway key.
+    keys = tempfile.TemporaryDirectory(prefix="kvpush-bench-leg-keys-")
+    leg_key, _ = write_keypair(keys.name)
+    # And with mTLS on every call: a throwaway CA, the scheduler's, a frontend's and each instance's certificate.
+    pki = tempfile.TemporaryDirectory(prefix="kvpush-bench-certs-")
+    certs = make_certs(pki.name, engines=[f"{r}/{n}" for r, n in _instance_names(args.decodes, args.prefills)])
+    tls = TlsFiles.in_dir(certs, "scheduler")
     proc = _start(
         [
             "-m",
@@ -293,11 +322,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "10",
             "--log-level",
             "WARNING",
+            # The fake instances have no OpenAI server to probe.
+            "--readiness-probe",
+            "0",
+            "--leg-signing-key",
+            str(leg_key),
+            "--tls-ca",
+            tls.ca_file,
+            "--tls-cert",
+            tls.cert_file,
+            "--tls-key",
+            tls.key_file,
         ]
     )
     try:
-        await _wait_serving(address, proc)
-        bench = Bench(address, args.channels)
+        await _wait_serving(address, proc, certs)
+        bench = Bench(address, args.channels, certs)
         await bench.register(args.decodes, args.prefills)
         await bench.open_loop(min(args.rate, 500), 1.0, "inline")  # warm-up
         load_before = os.getloadavg()
@@ -313,12 +353,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await bench.close()
     finally:
         _stop(proc)
+        keys.cleanup()
     if args.workers and args.baseline:
         address = f"127.0.0.1:{_free_port()}"
-        proc = _start(["-m", "benchmarks.scheduler", "--serve-echo", address])
+        proc = _start(["-m", "benchmarks.scheduler", "--serve-echo", address, "--echo-certs", str(certs)])
         try:
-            await _wait_serving(address, proc)
-            bench = Bench(address, args.channels)
+            await _wait_serving(address, proc, certs)
+            bench = Bench(address, args.channels, certs)
             await bench.register(args.decodes, args.prefills)
             await bench.closed_loop(args.workers, 1.0)  # warm-up
             floor = await _closed_loop_cpu(bench, proc.pid, args.workers, args.seconds)
@@ -327,6 +368,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await bench.close()
         finally:
             _stop(proc)
+    pki.cleanup()
     return {
         "benchmark": "scheduler Assign",
         "host": {
@@ -418,9 +460,10 @@ def main(argv: list[str] | None = None) -> None:
         help="1: repeat the closed loop against a servicer without logic (the gRPC floor)",
     )
     p.add_argument("--serve-echo", metavar="ADDR", help=argparse.SUPPRESS)
+    p.add_argument("--echo-certs", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.serve_echo:
-        asyncio.run(_serve_echo(args.serve_echo))
+        asyncio.run(_serve_echo(args.serve_echo, args.echo_certs))
         return
     # Fewer, shorter collector pauses in the client: its own tail latency is part of what we measure.
     gc.freeze()

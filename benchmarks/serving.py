@@ -560,7 +560,9 @@ class Harness:
                 if kind == "ours":
                     assert sched is not None
                     port = free_port()
-                    kv = connector_config(role, engine, sched.address, f"http://127.0.0.1:{port}")
+                    kv = connector_config(
+                        role, engine, sched.address, f"http://127.0.0.1:{port}", **sched.connector_extra(role, engine)
+                    )
                     kv["kv_buffer_device"] = a.kv_buffer_device
                     srv = self.server(f"{kind}-{role}", core, kv, env)
                     srv.port = port
@@ -576,7 +578,7 @@ class Harness:
             self.start(servers)
             pair = Pair(servers[0][0], servers[1][0], p_side, sched)
             if sched is not None:
-                wait_registered(sched.address, 120.0)
+                wait_registered(sched.address, 120.0, sched.security())
             yield pair
         finally:
             for srv, _ in servers:
@@ -585,14 +587,12 @@ class Harness:
                 sched.stop()
 
 
-def wait_registered(address: str, timeout_s: float) -> None:
-    import grpc
-
+def wait_registered(address: str, timeout_s: float, security: Any) -> None:
     from kvpush.v1 import kvpush_pb2 as pb
     from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as ch:
+    with security.sync_channel(address) as ch:
         stub = pb_grpc.SchedulerStub(ch)
         while True:
             live = [s for s in stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances if s.alive]
@@ -853,12 +853,10 @@ async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[P
                 await warm_up(proxy, h)
                 out["push"] = await measure("push", proxy, pts, h)
             else:
-                import grpc
-
                 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
                 logs = (pair.prefill.log_path, pair.decode.log_path)
-                async with grpc.aio.insecure_channel(pair.scheduler.address) as ch:
+                async with pair.scheduler.security().aio_channel(pair.scheduler.address) as ch:
                     stub = pb_grpc.SchedulerStub(ch)
                     proxy = ours_proxy(client, stub, a.max_tokens)
                     await warm_up(proxy, h)

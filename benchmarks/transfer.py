@@ -268,7 +268,9 @@ def prefill_node(conn: Connection, sizes: Sizes, seed: int, log_level: str) -> N
                 # prefill_done, then wait until the writer thread processed it (FIFO inbox).
                 tid, name = args
                 src = ids[name][0]
-                agent.prefill_done(tid, f"req-{tid}", [list(src)], len(src) * TOKENS_PER_BLOCK)
+                agent.prefill_done(
+                    tid, f"req-{tid}", [list(src)], len(src) * TOKENS_PER_BLOCK, decode_engine_id=DECODE_ENGINE
+                )
                 agent.writer.call(lambda: None).result(30)
                 conn.send(None)
             elif cmd == "done_after_reserved":
@@ -279,7 +281,9 @@ def prefill_node(conn: Connection, sizes: Sizes, seed: int, log_level: str) -> N
                     seen = cv.wait_for(lambda tid=tid: tid in at_writer, timeout)
                 t_done = time.monotonic()
                 if seen:
-                    agent.prefill_done(tid, f"req-{tid}", [list(src)], len(src) * TOKENS_PER_BLOCK)
+                    agent.prefill_done(
+                        tid, f"req-{tid}", [list(src)], len(src) * TOKENS_PER_BLOCK, decode_engine_id=DECODE_ENGINE
+                    )
                 conn.send((at_writer.get(tid), t_done if seen else None))
             elif cmd == "stamps":
                 tids, timeout = args

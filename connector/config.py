@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from services.common.security import Security
 
 _metrics_started = False
 
@@ -71,7 +74,42 @@ class ConnectorConfig:
                 values[key] = {"int": int, "float": float, "str": str, "bool": _bool}[str(typ)](raw)
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(f"kv_connector_extra_config[{key!r}]: {exc}") from exc
-        return cls(engine_id=str(kv_transfer_config.engine_id), role=role, **values)
+        cfg = cls(engine_id=str(kv_transfer_config.engine_id), role=role, **values)
+        cfg.check_transport()
+        return cfg
+
+    _TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+
+    def check_transport(self) -> None:
+        """mTLS needs all three TLS files; plaintext needs ``insecure=true`` and none of them."""
+        given = [k for k in self._TLS_KEYS if getattr(self, k)]
+        if not given and self.insecure:
+            return
+        if len(given) != len(self._TLS_KEYS):
+            missing = [k for k in self._TLS_KEYS if not getattr(self, k)]
+            raise ConfigError(
+                f"kv_connector_extra_config needs {missing} for mutual TLS on the kvpush gRPC hops "
+                "(or insecure=true for plaintext, development only)"
+            )
+
+    def security(self, component: str) -> Security:
+        """The gRPC credentials of this engine's agents: mTLS with its certificate (whose SPIFFE id
+        must name this engine and role), or plaintext with ``insecure`` and no TLS files (logged)."""
+        from services.common.security import PeerIdentity, Security, SecurityError, TlsFiles
+
+        self.check_transport()
+        if not self.tls_cert_file:
+            return Security.insecure(component)
+        try:
+            sec = Security.mtls(TlsFiles(self.tls_ca_file, self.tls_cert_file, self.tls_key_file), component)
+        except SecurityError as exc:
+            raise ConfigError(str(exc)) from exc
+        if sec.identity != PeerIdentity(self.role, self.engine_id):
+            raise ConfigError(
+                f"tls_cert_file {self.tls_cert_file} is for {sec.identity.spiffe_id if sec.identity else 'no kvpush'} "
+                f"identity, this engine is spiffe://kvpush/{self.role}/{self.engine_id}"
+            )
+        return sec
 
     def auth_token(self) -> str:
         """The shared stream secret, read from ``auth_token_file`` (empty when none is configured)."""

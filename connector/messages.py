@@ -27,6 +27,13 @@ class FinishedPrefill:
     request_id: str
     block_ids: tuple[tuple[int, ...], ...]
     num_tokens: int
+    decode_engine_id: str  # from the request's prefill leg: only its reservations may match
+
+
+@dataclass(frozen=True)
+class AbortedPrefill:
+    transfer_id: str
+    decode_engine_id: str
 
 
 @dataclass
@@ -35,4 +42,4 @@ class PushMetadata(KVConnectorMetadata):
     transfers whose prefill was aborted before it finished."""
 
     finished_prefills: list[FinishedPrefill] = field(default_factory=list)
-    aborted: list[str] = field(default_factory=list)
+    aborted: list[AbortedPrefill] = field(default_factory=list)

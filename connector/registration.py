@@ -13,13 +13,23 @@ from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from services.common.grpc_util import CHANNEL_OPTIONS
 from services.common.logs import get_logger
+from services.common.security import Security
 
 log = get_logger("connector.registration")
 
 
 class Registration:
-    def __init__(self, cfg: ConnectorConfig, info: pb.InstanceInfo, load: Callable[[], pb.LoadReport]) -> None:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        info: pb.InstanceInfo,
+        load: Callable[[], pb.LoadReport],
+        security: Security | None = None,
+    ) -> None:
         self.cfg = cfg
+        # mTLS with this engine's certificate: the scheduler takes registrations and load reports
+        # only in the certificate's own name.
+        self.security = security or cfg.security(f"registration {cfg.engine_id}")
         self.info = info
         self.load = load
         self._stop = threading.Event()
@@ -48,7 +58,7 @@ class Registration:
     def _run(self) -> None:
         backoff = 0.2
         while not self._stop.is_set():
-            channel = grpc.insecure_channel(self.cfg.scheduler_address, options=CHANNEL_OPTIONS)
+            channel = self.security.sync_channel(self.cfg.scheduler_address, CHANNEL_OPTIONS)
             try:
                 stub = pb_grpc.SchedulerStub(channel)
                 resp = stub.Register(pb.RegisterRequest(instance=self.info), timeout=5)
@@ -60,7 +70,12 @@ class Registration:
                     pass
             except grpc.RpcError as exc:
                 self.registered.clear()
-                log.warning("registration_lost", scheduler=self.cfg.scheduler_address, code=exc.code().name)
+                log.warning(
+                    "registration_lost",
+                    scheduler=self.cfg.scheduler_address,
+                    code=exc.code().name,
+                    detail=exc.details() if isinstance(exc, grpc.Call) else None,
+                )
             finally:
                 channel.close()
             if self._stop.wait(backoff):

@@ -10,22 +10,15 @@ from collections.abc import Callable
 from typing import Any
 
 from connector.config import ConnectorConfig
-from connector.messages import FinishedPrefill, PushMetadata, RankHandshake
+from connector.legs import LegGate
+from connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake
 from connector.registration import Registration
 from kvpush.v1 import kvpush_pb2 as pb
 from services.common.logs import get_logger
-from services.common.transfer_params import DecodeLeg, PrefillLeg, parse
+from services.common.transfer_params import DecodeLeg, PrefillLeg
 from services.decode_agent.agent import DecodeAgent, DecodeAgentConfig
 
 log = get_logger("connector.scheduler")
-
-
-def leg_of(request: Any) -> PrefillLeg | DecodeLeg | None:
-    try:
-        return parse(request.kv_transfer_params)
-    except ValueError as exc:
-        log.warning("bad_kv_transfer_params", request_id=request.request_id, error=str(exc))
-        return None
 
 
 def _engine_incarnation(handshakes: list[RankHandshake]) -> str:
@@ -64,8 +57,14 @@ class DecodeScheduler:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.agent: DecodeAgent | None = None
         self.registration: Registration | None = None
+        # Every leg is checked here (signature, expiry, this engine) before anything is dialed or
+        # reserved; a refused one leaves the request to be computed locally.
+        self.legs = LegGate(cfg)
         self._tried: set[str] = set()  # requests whose transfer was reserved or released
-        self._reserved: dict[str, str] = {}  # request id -> transfer id, until the request ends
+        # request id -> (transfer id, epoch), until the request ends; and who holds each transfer id
+        self._reserved: dict[str, tuple[str, int]] = {}
+        self._holders: dict[str, str] = {}  # transfer id -> request id of the live request holding it
+        self._duplicates: set[str] = set()  # requests whose transfer id another live request holds
         self._unfilled: dict[str, int] = {}  # request id -> blocks reserved and not yet written
         self._received: set[str] = set()  # reserved requests the workers reported done
         self._cancelling: set[str] = set()  # aborted while waiting; workers report once fenced
@@ -86,6 +85,7 @@ class DecodeScheduler:
                 auth_token=self.cfg.auth_token(),
                 grace_s=self.cfg.grace_s,
                 reservation_lease_ms=self.cfg.reservation_lease_ms,
+                security=self.cfg.security(f"decode-agent {self.cfg.engine_id}"),
             ),
             [pb.RankLayout.FromString(h.layout) for h in ranks],
             incarnation=_engine_incarnation(ranks),
@@ -105,16 +105,34 @@ class DecodeScheduler:
     # ----- hooks --------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.agent is None or request.request_id in self._tried or not isinstance(leg_of(request), DecodeLeg):
+        if self.agent is None or request.request_id in self._tried or not isinstance(self.legs.of(request), DecodeLeg):
             return 0, False  # not ours, already tried, or no agent yet: compute locally
+        if self._is_duplicate(request):
+            return 0, False  # another live request holds its transfer id: compute locally
         n = request.num_prompt_tokens - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
+    def _is_duplicate(self, request: Any) -> bool:
+        """Whether another live request holds this request's transfer id; such a request is never
+        claimed, and nothing it does (allocation, end) touches the holder's transfer."""
+        rid = request.request_id
+        if rid in self._duplicates:
+            return True
+        leg = self.legs.of(request)
+        holder = self._holders.get(leg.transfer_id) if isinstance(leg, DecodeLeg) else None
+        if holder is None or holder == rid:
+            return False
+        log.warning("duplicate_transfer_id", request_id=rid, transfer_id=leg.transfer_id, holder_request_id=holder)
+        self._duplicates.add(rid)
+        return True
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
-        leg = leg_of(request)
+        leg = self.legs.of(request)
         if not isinstance(leg, DecodeLeg) or rid in self._tried or self.agent is None:
             return
+        if num_external_tokens == 0 and self._is_duplicate(request):
+            return  # computed locally; releasing the prefill KV would take it from the holder
         self._tried.add(rid)
         if num_external_tokens == 0:
             self.agent.release_prefill(leg.transfer_id, leg, "decode holds the whole prompt")
@@ -122,31 +140,39 @@ class DecodeScheduler:
         new = blocks.get_unhashed_block_ids_all_groups()
         every = blocks.get_block_ids()
         skip = len(every[0]) - len(new[0])
-        self.agent.reserve(leg.transfer_id, rid, leg, [list(g) for g in new], request.num_prompt_tokens, skip)
-        self._reserved[rid] = leg.transfer_id
+        # A duplicate that got here anyway (claimed before the holder reserved) is refused by the
+        # agent and fails through its ranks, never as a successful load.
+        epoch = self.agent.reserve(leg.transfer_id, rid, leg, [list(g) for g in new], request.num_prompt_tokens, skip)
+        self._reserved[rid] = (leg.transfer_id, epoch)
+        self._holders.setdefault(leg.transfer_id, rid)
         self._unfilled[rid] = sum(len(g) for g in new)
 
     def update_connector_output(self, finished_recving: set[str]) -> None:
         for rid in finished_recving:
             self._cancelling.discard(rid)
             self._unfilled.pop(rid, None)
-            tid = self._reserved.get(rid)
-            if tid is not None and self.agent is not None:
+            reserved = self._reserved.get(rid)
+            if reserved is not None and self.agent is not None:
                 self._received.add(rid)
-                self.agent.finished(tid)
+                self.agent.finished(*reserved)
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
-        tid = self._reserved.pop(rid, None)
+        reserved = self._reserved.pop(rid, None)
+        tid = reserved[0] if reserved is not None else None
+        if tid is not None and self._holders.get(tid) == rid:
+            del self._holders[tid]
         received = rid in self._received
-        tried = rid in self._tried
+        tried = rid in self._tried or rid in self._duplicates
         self._received.discard(rid)
         self._unfilled.pop(rid, None)
         self._tried.discard(rid)
+        self._duplicates.discard(rid)
+        leg = self.legs.of(request) if tid is None and not tried and self.agent is not None else None
+        self.legs.forget(rid)
         if self.agent is None:
             return False, None
         if tid is None:
-            leg = leg_of(request)
             if isinstance(leg, DecodeLeg) and not tried:
                 # Ended before its blocks were allocated: free the prefill side now.
                 self.agent.release_prefill(leg.transfer_id, leg, f"decode request ended ({request.status.name})")
@@ -154,7 +180,7 @@ class DecodeScheduler:
             # Still waiting for its KV (abort, error): fence the WRITEs; the workers report the
             # request in finished_recving only once no WRITE can land, and vLLM frees the blocks then.
             self._cancelling.add(rid)
-            self.agent.cancel(tid, f"decode request ended ({request.status.name})")
+            self.agent.cancel(tid, f"decode request ended ({request.status.name})", epoch=reserved[1])
         return False, None
 
     def has_pending_push_work(self) -> bool:
@@ -172,10 +198,12 @@ class PrefillScheduler:
         self.cfg = cfg
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.registration: Registration | None = None
+        self.legs = LegGate(cfg)  # a refused leg: the request runs as on a plain instance, nothing is pushed
         self._requests: dict[str, tuple[PrefillLeg, Any]] = {}
         self._flagged: set[str] = set()  # KV handed to the writers
         self._held: set[str] = set()  # finished requests whose blocks wait for finished_sending
-        self._aborted: list[str] = []
+        self._aborted: list[AbortedPrefill] = []
+        self._holders: dict[str, str] = {}  # transfer id -> the live request whose KV is pushed for it
         self._kv_cache_manager: Any = None
 
     def set_handshakes(self, handshakes: dict[int, RankHandshake], kv_cache_manager: Any) -> None:
@@ -192,9 +220,16 @@ class PrefillScheduler:
         return 0, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
-        leg = leg_of(request)
-        if isinstance(leg, PrefillLeg):
-            self._requests.setdefault(request.request_id, (leg, request))
+        leg = self.legs.of(request)
+        if not isinstance(leg, PrefillLeg) or not leg.decode_engine_id:
+            return
+        rid = request.request_id
+        holder = self._holders.setdefault(leg.transfer_id, rid)
+        if holder != rid:
+            # A second live request with the same transfer id: served plainly, never pushed.
+            log.warning("duplicate_transfer_id", request_id=rid, transfer_id=leg.transfer_id, holder_request_id=holder)
+            return
+        self._requests.setdefault(rid, (leg, request))
 
     def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
         meta = PushMetadata(aborted=self._aborted)
@@ -208,22 +243,31 @@ class PrefillScheduler:
                 continue  # more prompt chunks to come
             block_ids = self._kv_cache_manager.get_block_ids(rid)
             meta.finished_prefills.append(
-                FinishedPrefill(leg.transfer_id, rid, tuple(tuple(g) for g in block_ids), request.num_prompt_tokens)
+                FinishedPrefill(
+                    leg.transfer_id,
+                    rid,
+                    tuple(tuple(g) for g in block_ids),
+                    request.num_prompt_tokens,
+                    leg.decode_engine_id,
+                )
             )
             self._flagged.add(rid)
         return meta
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        self.legs.forget(rid)
         entry = self._requests.pop(rid, None)
         if entry is None:
             return False, None
         leg, _ = entry
+        if self._holders.get(leg.transfer_id) == rid:
+            del self._holders[leg.transfer_id]
         if rid in self._flagged:
             self._flagged.discard(rid)
             self._held.add(rid)
             return True, {"kvpush": {"role": "prefill_done", "transfer_id": leg.transfer_id}}
-        self._aborted.append(leg.transfer_id)  # no KV will come: let decode fail fast
+        self._aborted.append(AbortedPrefill(leg.transfer_id, leg.decode_engine_id))  # no KV will come: fail fast
         return False, None
 
     def update_connector_output(self, finished_sending: set[str]) -> None:

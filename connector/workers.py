@@ -59,6 +59,7 @@ class DecodeWorker:
             host=self.cfg.agent_host,
             port=self.cfg.port_for(rank),
             poll_interval_s=self.cfg.poll_interval_us * 1e-6,
+            security=self.cfg.security(f"decode-rank {self.cfg.engine_id}/{rank}"),
         )
         self.rank = create_rank(rcfg, engine, desc.regions)
         self.cfg.serve_metrics(1 + rank)
@@ -88,7 +89,8 @@ class DecodeWorker:
         released: list[Released] = self.rank.take_released()
         for rel in released:
             done.add(rel.request_id)
-            if rel.outcome is Outcome.FAILED:
+            # Only OK is a load: CANCELLED (a fenced or superseded reservation) wrote nothing usable.
+            if rel.outcome is not Outcome.OK:
                 failed.add(rel.request_id)
         return done, failed
 
@@ -121,6 +123,7 @@ class PrefillWorker:
             port=self.cfg.port_for(rank),
             auth_token=self.cfg.auth_token(),
             prefill_lease_s=self.cfg.prefill_lease_s,
+            security=self.cfg.security(f"prefill-agent {self.cfg.engine_id}/{rank}"),
         )
         self.agent = PrefillAgent(acfg, engine, desc.regions, incarnation=incarnation, on_release=self._on_release)
         self.agent.start()
@@ -148,9 +151,11 @@ class PrefillWorker:
         for fp in meta.finished_prefills:
             with self._lock:
                 self._active.add(fp.request_id)
-            self.agent.prefill_done(fp.transfer_id, fp.request_id, fp.block_ids, fp.num_tokens)
-        for tid in meta.aborted:
-            self.agent.prefill_aborted(tid)
+            self.agent.prefill_done(
+                fp.transfer_id, fp.request_id, fp.block_ids, fp.num_tokens, decode_engine_id=fp.decode_engine_id
+            )
+        for ab in meta.aborted:
+            self.agent.prefill_aborted(ab.transfer_id, decode_engine_id=ab.decode_engine_id)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose blocks may be freed: released by the agent *and* finished by the

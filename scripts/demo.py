@@ -1,7 +1,8 @@
 """The main job: a 1P1D push-mode demo on this machine's CPUs.
 
 Creates the tiny seeded model if missing, starts the kvpush scheduler, a prefill and a decode vLLM
-(with KvPushConnector) and one plain vLLM as the reference, sends a batch through ``Generate``,
+(with KvPushConnector; every gRPC hop with mutual TLS, certificates from ``make certs``) and one
+plain vLLM as the reference, sends a batch through ``Generate``,
 prints per-request TTFT/TPOT and whether every output equals the reference, then shuts down.
 Run it with ``make demo``.
 """
@@ -25,6 +26,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=12)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument(
+        "--cert-dir", type=Path, default=REPO / "certs", help="mTLS certificates (`make certs`; made if missing)"
+    )
     args = ap.parse_args(argv)
     out = sys.stdout
     out.write(f"model: {make_model(args.model_dir)}\n")
@@ -33,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     out.write("starting scheduler, prefill, decode and a reference vLLM (1-2 minutes on 2 cores)...\n")
     out.flush()
-    with pd_cluster(args.model_dir, args.log_dir) as c:
+    with pd_cluster(args.model_dir, args.log_dir, cert_dir=args.cert_dir) as c:
         out.write(f"cluster up in {time.monotonic() - t0:.0f} s; logs in {args.log_dir}\n")
         assert c.baseline is not None
         c.generate(prompts[0], 2)  # warm-up

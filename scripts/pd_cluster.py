@@ -1,5 +1,6 @@
 """A local 1P1D cluster on real processes: the kvpush scheduler, a prefill vLLM and a decode vLLM
-with ``KvPushConnector``, optionally a plain vLLM as the single-instance baseline.
+with ``KvPushConnector``, optionally a plain vLLM as the single-instance baseline. Every gRPC hop
+uses mutual TLS with development certificates (``scripts/make_certs.py``).
 
 Used by the demo, the end-to-end tests and the benchmarks. Each vLLM gets its own core.
 """
@@ -20,6 +21,9 @@ import grpc
 
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from scripts.make_certs import make_certs
+from services.common.leg_signing import write_keypair
+from services.common.security import Security, TlsFiles
 from services.common.vllm_server import VllmServer, free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,6 +49,32 @@ class SchedulerProcess:
     address: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    # The pair whose private half signs every leg (--leg-signing-key); None: an --insecure scheduler.
+    leg_signing_key: Path | None = None
+    leg_public_key: Path | None = None
+    # mTLS: the `make certs` directory (scheduler, frontend and engine certificates); None: plaintext.
+    cert_dir: Path | None = None
+
+    def connector_extra(self, role: str = "", engine_id: str = "") -> dict[str, Any]:
+        """The kv_connector_extra_config keys that make a connector verify this scheduler's legs
+        and, given its role and engine id, speak mTLS with a certificate of its own (issued here)."""
+        extra: dict[str, Any] = {}
+        if self.leg_public_key is None:
+            extra["insecure"] = True
+        else:
+            extra["leg_public_key_file"] = str(self.leg_public_key)
+        if self.cert_dir is None or not engine_id:
+            extra["insecure"] = True
+            return extra
+        make_certs(self.cert_dir, engines=[f"{role}/{engine_id}"])
+        files = TlsFiles.in_dir(self.cert_dir, engine_id)
+        return {**extra, "tls_ca_file": files.ca_file, "tls_cert_file": files.cert_file, "tls_key_file": files.key_file}
+
+    def security(self, name: str = "frontend") -> Security:
+        """Client credentials for talking to this scheduler (a frontend certificate by default)."""
+        if self.cert_dir is None:
+            return Security.insecure(f"client of {self.address}")
+        return Security.mtls(TlsFiles.in_dir(self.cert_dir, name))
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -56,10 +86,20 @@ class SchedulerProcess:
                 self.proc.wait(5)
 
 
-def start_scheduler(log_dir: Path, lease_interval_ms: int = 500) -> SchedulerProcess:
+def start_scheduler(
+    log_dir: Path, lease_interval_ms: int = 500, sign_legs: bool = True, cert_dir: Path | None = None, tls: bool = True
+) -> SchedulerProcess:
+    """``sign_legs``: a fresh Ed25519 pair under ``log_dir/leg-keys`` signs every leg (connectors get
+    the public key through ``connector_extra()``); False: an ``--insecure`` scheduler, unsigned legs.
+    ``tls``: mutual TLS with the certificates in ``cert_dir`` (made or completed here; default
+    ``log_dir/certs``); False: plaintext gRPC (``--insecure``)."""
+    cert_dir = make_certs(cert_dir or log_dir / "certs") if tls else None
     port = free_port()
     address = f"127.0.0.1:{port}"
     log_path = log_dir / "scheduler.log"
+    key = pub = None
+    if sign_legs:
+        key, pub = write_keypair(log_dir / "leg-keys", overwrite=True)
     log = log_path.open("ab")
     proc = subprocess.Popen(
         [
@@ -72,6 +112,9 @@ def start_scheduler(log_dir: Path, lease_interval_ms: int = 500) -> SchedulerPro
             str(lease_interval_ms),
             "--metrics-port",
             "0",
+            *(["--leg-signing-key", str(key)] if key is not None else []),
+            *(_tls_flags(TlsFiles.in_dir(cert_dir, "scheduler")) if cert_dir is not None else []),
+            *(["--insecure"] if key is None or cert_dir is None else []),
         ],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -79,12 +122,17 @@ def start_scheduler(log_dir: Path, lease_interval_ms: int = 500) -> SchedulerPro
         start_new_session=True,
         cwd=REPO,
     )
-    ch = grpc.insecure_channel(address)
+    sched = SchedulerProcess(address, proc, log_path, key, pub, cert_dir)
+    ch = sched.security().sync_channel(address)
     try:
         grpc.channel_ready_future(ch).result(timeout=60)
     finally:
         ch.close()
-    return SchedulerProcess(address, proc, log_path)
+    return sched
+
+
+def _tls_flags(files: TlsFiles) -> list[str]:
+    return ["--tls-ca", files.ca_file, "--tls-cert", files.cert_file, "--tls-key", files.key_file]
 
 
 @dataclass(frozen=True)
@@ -103,7 +151,7 @@ class PDCluster:
     channel: grpc.Channel = field(init=False)
 
     def __post_init__(self) -> None:
-        self.channel = grpc.insecure_channel(self.scheduler.address)
+        self.channel = self.scheduler.security().sync_channel(self.scheduler.address)
         self.stub = pb_grpc.SchedulerStub(self.channel)
 
     def wait_registered(self, timeout_s: float = 120.0) -> list[pb.InstanceStatus]:
@@ -158,11 +206,13 @@ def pd_cluster(
     decode_tp: int = 1,
     env: dict[str, str] | None = None,
     max_model_len: int = 1024,
+    cert_dir: Path | None = None,
 ) -> Iterator[PDCluster]:
-    """``prefill_tp``/``decode_tp`` > 1 spread that instance's ranks over all cores."""
+    """``prefill_tp``/``decode_tp`` > 1 spread that instance's ranks over all cores. Every gRPC hop
+    uses mTLS with certificates from ``cert_dir`` (made if missing; default ``log_dir/certs``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     cores = sorted(os.sched_getaffinity(0))
-    sched = start_scheduler(log_dir)
+    sched = start_scheduler(log_dir, cert_dir=cert_dir)
     servers: list[tuple[VllmServer, int]] = []
     env_common = {
         "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -181,7 +231,11 @@ def pd_cluster(
                 max_model_len=max_model_len,
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 kv_transfer_config=connector_config(
-                    role, f"{role}-0", sched.address, f"http://127.0.0.1:{port}", **(extra or {})
+                    role,
+                    f"{role}-0",
+                    sched.address,
+                    f"http://127.0.0.1:{port}",
+                    **{**sched.connector_extra(role, f"{role}-0"), **(extra or {})},
                 ),
                 env={**env_common, "VLLM_CPU_OMP_THREADS_BIND": bind},
                 extra_args=["--tensor-parallel-size", str(tp)] if tp > 1 else [],

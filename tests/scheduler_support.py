@@ -13,6 +13,7 @@ import grpc
 
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.common.security import Security
 from services.scheduler.registry import LeaseConfig
 from services.scheduler.server import SchedulerConfig, SchedulerServer
 from services.scheduler.servicer import ServicerConfig
@@ -26,18 +27,27 @@ def run(coro: Awaitable[Any]) -> Any:
 
 @contextlib.asynccontextmanager
 async def scheduler(
-    interval_s: float = 0.05, misses: int = 3, settle_s: float = 0.05, policy: str = "p2c", **servicer: Any
+    interval_s: float = 0.05,
+    misses: int = 3,
+    settle_s: float = 0.05,
+    policy: str = "p2c",
+    security: Security | None = None,
+    client: Security | None = None,
+    **servicer: Any,
 ) -> AsyncIterator[tuple[SchedulerServer, pb_grpc.SchedulerStub, grpc.aio.Channel]]:
+    """``security``: the server's (None: plaintext); ``client``: the returned channel's (None:
+    plaintext, else e.g. a frontend certificate)."""
     server = SchedulerServer(
         SchedulerConfig(
             listen="127.0.0.1:0",
             lease=LeaseConfig(interval_s=interval_s, misses=misses, settle_s=settle_s),
             decode_policy=policy,
             servicer=ServicerConfig(**servicer),
+            security=security,
         )
     )
     await server.start()
-    channel = grpc.aio.insecure_channel(server.address)
+    channel = client.aio_channel(server.address) if client else grpc.aio.insecure_channel(server.address)
     try:
         yield server, pb_grpc.SchedulerStub(channel), channel
     finally:

@@ -18,6 +18,7 @@ from services.prefill_agent.table import ReleaseBlocks
 
 
 def _kv_cfg(role: str = "kv_producer", engine_id: str = "p0", **extra: Any) -> Any:
+    extra.setdefault("insecure", True)  # mTLS settings are tested in test_security_mtls.py
     return SimpleNamespace(kv_role=role, engine_id=engine_id, kv_connector_extra_config=extra)
 
 
@@ -77,7 +78,7 @@ class _Blocks:
 
 
 def test_prefill_scheduler_flags_the_step_with_the_last_chunk() -> None:
-    s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill"), _vllm_cfg())
+    s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill", insecure=True), _vllm_cfg())
     s._kv_cache_manager = _Blocks({"r1": ([4, 5, 6],)})
     r = _Req("r1", 300, to_params(PrefillLeg("t1", "d")))
     s.update_state_after_alloc(r, None, 0)
@@ -96,11 +97,13 @@ def test_prefill_scheduler_flags_the_step_with_the_last_chunk() -> None:
 
 
 def test_prefill_scheduler_abort_before_kv_tells_the_agents() -> None:
-    s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill"), _vllm_cfg())
+    s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill", insecure=True), _vllm_cfg())
     r = _Req("r2", 300, to_params(PrefillLeg("t2", "d")))
     s.update_state_after_alloc(r, None, 0)
     assert s.request_finished(r) == (False, None)
-    assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).aborted == ["t2"]
+    from connector.messages import AbortedPrefill
+
+    assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).aborted == [AbortedPrefill("t2", "d")]
     plain = _Req("r3", 10, None)
     s.update_state_after_alloc(plain, None, 0)
     assert s.request_finished(plain) == (False, None)
@@ -108,10 +111,10 @@ def test_prefill_scheduler_abort_before_kv_tells_the_agents() -> None:
 
 def test_prefill_worker_reports_only_finished_and_released_requests() -> None:
     w = PrefillWorker(ConnectorConfig(engine_id="p", role="prefill"), "m")
-    w.agent = SimpleNamespace(prefill_done=lambda *a: None, prefill_aborted=lambda *a: None)  # type: ignore[assignment]
+    w.agent = SimpleNamespace(prefill_done=lambda *a, **kw: None, prefill_aborted=lambda *a, **kw: None)  # type: ignore[assignment]
     from connector.messages import FinishedPrefill, PushMetadata
 
-    w.wait_for_save(PushMetadata(finished_prefills=[FinishedPrefill("t", "r", ((1,),), 5)]))
+    w.wait_for_save(PushMetadata(finished_prefills=[FinishedPrefill("t", "r", ((1,),), 5, "d")]))
     w._on_release(ReleaseBlocks("t", "r", "done"))
     assert w.finished_sending(set()) == set()  # the scheduler has not finished r yet
     assert w.finished_sending({"r", "someone-else"}) == {"r"}
@@ -119,7 +122,7 @@ def test_prefill_worker_reports_only_finished_and_released_requests() -> None:
 
 
 def test_decode_scheduler_claims_only_its_requests_once() -> None:
-    s = DecodeScheduler(ConnectorConfig(engine_id="d", role="decode"), _vllm_cfg())
+    s = DecodeScheduler(ConnectorConfig(engine_id="d", role="decode", insecure=True), _vllm_cfg())
     leg = DecodeLeg("t", 1, "p", "", 1, ["127.0.0.1:1"])
     assert s.get_num_new_matched_tokens(_Req("a", 300, to_params(leg)), 0) == (0, False)  # no agent yet
     s.agent = SimpleNamespace()  # type: ignore[assignment]

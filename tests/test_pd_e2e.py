@@ -3,8 +3,10 @@ plain vLLM. Greedy outputs through ``Generate`` must equal the single instance t
 
 from __future__ import annotations
 
+import re
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,7 +16,7 @@ import pytest
 
 from kvpush.v1 import kvpush_pb2 as pb
 from scripts.pd_cluster import PDCluster, pd_cluster
-from services.common.vllm_server import complete
+from services.common.vllm_server import VllmServer, complete
 
 pytestmark = pytest.mark.vllm
 
@@ -38,6 +40,36 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 def expected(cluster: PDCluster) -> dict[int, list[int]]:
     assert cluster.baseline is not None
     return {n: complete(cluster.baseline.base_url, prompt_of(n), MAX_TOKENS)[0] for n in LENGTHS}
+
+
+_SOURCE_LINE = re.compile(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="(\w+)"[^}]*\}\s+([0-9.e+]+)$')
+
+
+def prompt_sources(server: VllmServer) -> dict[str, float]:
+    """vLLM's prompt-token counters by source (``local_compute``, ``local_cache_hit``,
+    ``external_kv_transfer``), read from the server's Prometheus endpoint."""
+    with urllib.request.urlopen(f"{server.base_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SOURCE_LINE.match(line)
+        if m:
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    assert out, "decode exports no vllm:prompt_tokens_by_source counters"
+    return out
+
+
+def _delta(after: dict[str, float], before: dict[str, float], source: str) -> float:
+    return after.get(source, 0.0) - before.get(source, 0.0)
+
+
+def assert_pushed(before: dict[str, float], after: dict[str, float], lengths: list[int]) -> None:
+    """Decode computed exactly one prompt token per request (the last, to sample from); every other
+    prompt token came from the push (or decode's own prefix cache of earlier pushed KV)."""
+    assert _delta(after, before, "local_compute") == len(lengths), (before, after)
+    loaded = _delta(after, before, "external_kv_transfer") + _delta(after, before, "local_cache_hit")
+    assert loaded == sum(n - 1 for n in lengths), (before, after)
+    assert _delta(after, before, "external_kv_transfer") > 0
 
 
 def _decode_load(c: PDCluster) -> pb.LoadReport:
@@ -76,16 +108,20 @@ def free_baseline(cluster: PDCluster) -> int:
 
 
 def test_sequential_outputs_equal_single_instance(cluster: PDCluster, expected: dict[int, list[int]]) -> None:
+    before = prompt_sources(cluster.decode)
     for n in LENGTHS:
         tokens, ttft = cluster.generate(prompt_of(n), MAX_TOKENS)
         assert tokens == expected[n], f"prompt of {n} tokens"
         assert ttft > 0
+    assert_pushed(before, prompt_sources(cluster.decode), LENGTHS)
 
 
 def test_concurrent_outputs_equal_single_instance(cluster: PDCluster, expected: dict[int, list[int]]) -> None:
+    before = prompt_sources(cluster.decode)
     with ThreadPoolExecutor(len(LENGTHS)) as pool:
         results = list(pool.map(lambda n: cluster.generate(prompt_of(n), MAX_TOKENS)[0], LENGTHS))
     assert results == [expected[n] for n in LENGTHS]
+    assert_pushed(before, prompt_sources(cluster.decode), LENGTHS)
 
 
 def test_transferred_kv_is_what_decode_uses(cluster: PDCluster) -> None:
@@ -118,23 +154,41 @@ def test_free_blocks_return_to_baseline_after_load(cluster: PDCluster, free_base
     assert _wait_free_blocks(cluster, free_baseline) == free_baseline
 
 
-def test_killed_prefill_fails_requests_fast(cluster: PDCluster) -> None:
-    """Runs last in this module: it kills the prefill instance."""
-    results: list[BaseException | None] = []
+def test_killed_prefill_fails_requests_fast(cluster: PDCluster, expected: dict[int, list[int]]) -> None:
+    """Runs last in this module: it kills the prefill instance while requests are in flight. Every
+    request ends (the right tokens, or a clear error) well within its deadline; requests after the
+    kill fail fast instead of waiting for a lease."""
+    n = 900
+    results: list[list[int] | grpc.RpcError] = []
+    lock = threading.Lock()
 
-    def one() -> None:
+    def one(i: int) -> None:
         try:
-            cluster.generate(prompt_of(900, seed=77), 50, timeout_s=60)
-            results.append(None)
+            tokens, _ = cluster.generate(prompt_of(n), MAX_TOKENS, timeout_s=60)
+            out: list[int] | grpc.RpcError = tokens
         except grpc.RpcError as exc:
-            results.append(exc)
+            out = exc
+        with lock:
+            results.append(out)
 
-    t = threading.Thread(target=one)
-    t.start()
-    cluster.prefill.stop(timeout=1.0)
-    t.join(90)
-    assert not t.is_alive(), "a request hung after its prefill died"
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
     started = time.monotonic()
-    with pytest.raises(grpc.RpcError):
+    for t in threads:
+        t.start()
+    cluster.prefill.stop(timeout=1.0)
+    for t in threads:
+        t.join(90)
+    assert not any(t.is_alive() for t in threads), "a request hung after its prefill died"
+    assert len(results) == 4
+    assert time.monotonic() - started < 45, "in-flight requests took longer than their deadline allows"
+    for r in results:
+        if isinstance(r, grpc.RpcError):
+            assert r.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL), r
+            assert r.details(), "a failed request must say why"
+        else:
+            assert r == expected[n]
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
         cluster.generate(prompt_of(300, seed=78), 8, timeout_s=60)
-    assert time.monotonic() - started < 30
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED), err.value
+    assert time.monotonic() - t0 < 30

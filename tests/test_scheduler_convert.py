@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.json_format import MessageToDict
 from test_scheduler_registry import spec
 
 from services.common import transfer_params
+from services.common.leg_signing import LegSigner, LegVerifier
 from services.scheduler import convert
 from services.scheduler.model import AssignmentRecord, Role
 
@@ -20,12 +22,6 @@ def _rec(transfer_id: str, epoch: int, incarnations: tuple[str, ...] = ()) -> As
 def test_assignment_params_equal_to_params() -> None:
     for rec in (_rec("t1", (1 << 53) - 1), _rec("t2", 7, ("a", "b"))):
         a = convert.assignment_to_pb(rec)
-        fields = {f.name for f in dataclasses.fields(transfer_params.DecodeLeg)}
-        extra = (
-            {"prefill_rank_incarnations": list(rec.prefill.agent_incarnations)}
-            if ("prefill_rank_incarnations" in fields)
-            else {}
-        )
         want_decode = transfer_params.to_params(
             transfer_params.DecodeLeg(
                 transfer_id=rec.transfer_id,
@@ -34,19 +30,41 @@ def test_assignment_params_equal_to_params() -> None:
                 prefill_incarnation="i1",
                 prefill_tp_size=2,
                 prefill_agent_endpoints=["p0:6000", "p0:6001"],
-                **extra,
+                prefill_rank_incarnations=list(rec.prefill.agent_incarnations),
+                decode_engine_id="d0",
             )
         )
         want_prefill = transfer_params.to_params(
-            transfer_params.PrefillLeg(transfer_id=rec.transfer_id, decode_engine_id="d0")
+            transfer_params.PrefillLeg(
+                transfer_id=rec.transfer_id, decode_engine_id="d0", prefill_engine_id="p0", epoch=rec.epoch
+            )
         )
         got_decode = MessageToDict(a.decode_kv_transfer_params)
-        got_decode[transfer_params.KEY]["epoch"] = int(got_decode[transfer_params.KEY]["epoch"])
+        got_prefill = MessageToDict(a.prefill_kv_transfer_params)
+        for got in (got_decode, got_prefill):
+            got[transfer_params.KEY]["epoch"] = int(got[transfer_params.KEY]["epoch"])
+        got_decode[transfer_params.KEY]["prefill_tp_size"] = int(got_decode[transfer_params.KEY]["prefill_tp_size"])
         assert got_decode == want_decode  # the epoch survives the Struct's doubles exactly
-        assert MessageToDict(a.prefill_kv_transfer_params) == want_prefill
+        assert got_prefill == want_prefill
         assert convert.leg_params(rec) == (want_prefill, want_decode)
         assert a.prefill.engine_id == "p0" and list(a.prefill.agent_endpoints) == ["p0:6000", "p0:6001"]
         assert a.decode.engine_id == "d0" and a.transfer_id == rec.transfer_id and a.epoch == rec.epoch
+
+
+def test_signed_legs_verify_through_both_paths() -> None:
+    """Generate's dicts and Assign's Struct (every number a double) carry the same signed legs: both
+    parse to the same leg, and it verifies with the public key."""
+    signer = LegSigner(Ed25519PrivateKey.generate(), ttl_s=60, clock=lambda: 1_000_000.0)
+    verifier = LegVerifier(signer.public_key(), clock=lambda: 1_000_030.0)
+    rec = _rec("t3", (1 << 53) - 1, ("a", "b"))
+    prefill, decode = convert.leg_params(rec, signer)
+    a = convert.assignment_to_pb(rec, signer)
+    for params, via_struct in ((prefill, a.prefill_kv_transfer_params), (decode, a.decode_kv_transfer_params)):
+        leg = transfer_params.parse(params)
+        assert leg is not None and leg.expires_at == 1_000_060.0 and leg.sig
+        assert transfer_params.parse(MessageToDict(via_struct)) == leg
+        verifier.verify(leg)
+    assert convert.leg_params(rec) != (prefill, decode)  # unsigned without a signer
 
 
 def test_spec_round_trip() -> None:

@@ -140,8 +140,11 @@ def test_assign_skewed_load_and_params() -> None:
                 prefill_incarnation="inc1",
                 prefill_tp_size=2,
                 prefill_agent_endpoints=["127.0.0.1:7000", "127.0.0.1:7001"],
+                decode_engine_id=a.decode.engine_id,
             )
-            assert pleg == transfer_params.PrefillLeg(transfer_id=a.transfer_id, decode_engine_id=a.decode.engine_id)
+            assert pleg == transfer_params.PrefillLeg(
+                transfer_id=a.transfer_id, decode_engine_id=a.decode.engine_id, prefill_engine_id="p0", epoch=a.epoch
+            )
             sample = server.metrics.registry.get_sample_value
             assert sample("kvpush_scheduler_decisions_total", {"role": "prefill", "engine_id": "p0"}) == 100
             assert sample("kvpush_scheduler_assign_seconds_count") == 100
@@ -315,7 +318,7 @@ def test_health_and_reflection() -> None:
 def test_flags_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPUSH_SCHEDULER_LEASE_INTERVAL_MS", "250")
     monkeypatch.setenv("KVPUSH_SCHEDULER_DECODE_POLICY", "least")
-    args = parse_args(["--lease-misses", "5"])
+    args = parse_args(["--lease-misses", "5", "--insecure"])
     cfg = config_from_args(args)
     assert cfg.lease.interval_s == 0.25 and cfg.lease.misses == 5 and cfg.decode_policy == "least"
     with pytest.raises(SystemExit):
@@ -333,6 +336,7 @@ def test_main_process_sigterm(tmp_path: Path) -> None:
     env = {
         **os.environ,
         "KVPUSH_SCHEDULER_LISTEN": "127.0.0.1:0",
+        "KVPUSH_SCHEDULER_INSECURE": "1",
         "KVPUSH_SCHEDULER_METRICS_PORT": str(metrics_port),
         "KVPUSH_SCHEDULER_METRICS_ADDR": "127.0.0.1",
         "NOTIFY_SOCKET": str(tmp_path / "notify.sock"),
@@ -355,7 +359,8 @@ def test_main_process_sigterm(tmp_path: Path) -> None:
         rest = proc.stderr.read()
         assert proc.wait(timeout=WAIT_S * 2) == 0
         events = [json.loads(line)["event"] for line in rest.splitlines() if line.startswith("{")]
-        assert events[0] == "scheduler_started" and "scheduler_ready" in events
+        # Plaintext only as asked for (KVPUSH_SCHEDULER_INSECURE), and said so first.
+        assert events[:2] == ["plaintext_grpc", "scheduler_started"] and "scheduler_ready" in events
         assert events[-2:] == ["scheduler_stopping", "scheduler_stopped"]
     finally:
         notify.close()

@@ -104,6 +104,10 @@ def test_vllm_units_kv_transfer_config(unit: str, env: str, role: str) -> None:
 
     cfg = ConnectorConfig.from_vllm(SimpleNamespace(**config))
     assert cfg.role == ("prefill" if role == "kv_producer" else "decode")
+    # mTLS from files, never plaintext; secrets are files too, none is on the command line (ps).
+    assert cfg.tls_ca_file and cfg.tls_cert_file and cfg.tls_key_file and not cfg.insecure
+    assert cfg.tls_cert_file.endswith(f"/{values['KVPUSH_ENGINE_ID']}.pem")
+    assert "auth_token" not in extra and "TOKEN}" not in line.replace("TOKEN_FILE}", "")
     assert (
         cfg.advertised(cfg.port_for(1))
         == f"{values['KVPUSH_ADVERTISE_HOST']}:{int(values['KVPUSH_AGENT_BASE_PORT']) + 1}"

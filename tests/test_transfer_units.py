@@ -3,11 +3,11 @@ the completion barrier and the decode-side fence."""
 
 from __future__ import annotations
 
-import grpc
 import numpy as np
 import pytest
 
 from services.common.layout import ModelShape, RankRegions, Region
+from services.common.refusal import RefusalCode
 from services.common.tp import TopologyError, head_slices, prefill_ranks_into, slices_from_prefill_rank
 from services.decode_agent.barrier import BarrierTable, CompletionError, Outcome
 from services.decode_agent.transfers import DecodeState, DecodeTransfer
@@ -116,11 +116,11 @@ def test_plan_large_fragmented_is_vectorised() -> None:
 
 
 def _res(epoch: int = 1, blocks: tuple[int, ...] = (10, 11), skip: int = 0, tid: str = "t") -> Reservation:
-    return Reservation("peer", tid, epoch, (blocks,), 32, skip, lease_s=5.0)
+    return Reservation("peer", tid, epoch, (blocks,), 32, skip, lease_s=5.0, decode_engine="D")
 
 
 def _done(blocks: tuple[int, ...] = (1, 2), tid: str = "t") -> PrefillDone:
-    return PrefillDone(tid, "req", (blocks,), 32)
+    return PrefillDone(tid, "req", (blocks,), 32, decode_engine="D")
 
 
 @pytest.mark.parametrize("reservation_first", [True, False])
@@ -131,10 +131,10 @@ def test_either_arrival_order_starts_the_write(reservation_first: bool) -> None:
     second = t.on_prefill_done(_done(), 1) if reservation_first else t.on_reservation(_res(), 1)
     assert len(second) == 1 and isinstance(second[0], StartWrite)
     assert second[0].src_block_ids == ((1, 2),)
-    assert t.state("t") is PrefillState.WRITING
-    done = t.on_write_finished("t", 1, True, "", 2)
+    assert t.state("D", "t") is PrefillState.WRITING
+    done = t.on_write_finished("D", "t", 1, True, "", 2)
     assert done == [ReleaseBlocks("t", "req", "done")]
-    assert t.state("t") is PrefillState.DONE
+    assert t.state("D", "t") is PrefillState.DONE
 
 
 def test_partial_prefix_writes_only_the_tail() -> None:
@@ -148,10 +148,10 @@ def test_block_count_mismatch_is_rejected_and_prefill_released() -> None:
     t = TransferTable()
     t.on_prefill_done(_done(blocks=(1, 2, 3)), 0)
     actions = t.on_reservation(_res(blocks=(20, 21)), 0)
-    assert isinstance(actions[0], Reject) and actions[0].code is grpc.StatusCode.INVALID_ARGUMENT
+    assert isinstance(actions[0], Reject) and actions[0].code is RefusalCode.INVALID_ARGUMENT
     assert "block count mismatch" in actions[0].message
     assert isinstance(actions[1], ReleaseBlocks)
-    assert t.state("t") is PrefillState.FAILED
+    assert t.state("D", "t") is PrefillState.FAILED
 
 
 def test_stale_and_duplicate_epochs() -> None:
@@ -159,28 +159,28 @@ def test_stale_and_duplicate_epochs() -> None:
     t.on_reservation(_res(epoch=2), 0)
     assert t.on_reservation(_res(epoch=2), 0) == []
     (rej,) = t.on_reservation(_res(epoch=1), 0)
-    assert isinstance(rej, Reject) and rej.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(rej, Reject) and rej.code is RefusalCode.FAILED_PRECONDITION
 
 
 def test_cancel_while_writing_acks_after_the_write() -> None:
     t = TransferTable()
     t.on_reservation(_res(), 0)
     t.on_prefill_done(_done(), 0)
-    assert t.on_cancel("peer", "t", 1, 0) == []  # ack must wait for the WRITE in flight
-    actions = t.on_write_finished("t", 1, True, "", 1)
+    assert t.on_cancel("peer", "D", "t", 1, 0) == []  # ack must wait for the WRITE in flight
+    actions = t.on_write_finished("D", "t", 1, True, "", 1)
     assert AckCancel("peer", "t", 1, data_written=True) in actions
 
 
 def test_cancel_before_prefill_then_late_done_releases_at_once() -> None:
     t = TransferTable()
     t.on_reservation(_res(), 0)
-    assert t.on_cancel("peer", "t", 1, 0) == [AckCancel("peer", "t", 1, data_written=False)]
+    assert t.on_cancel("peer", "D", "t", 1, 0) == [AckCancel("peer", "t", 1, data_written=False)]
     assert t.on_prefill_done(_done(), 1) == [ReleaseBlocks("t", "req", "transfer already cancelled")]
 
 
 def test_unknown_cancel_is_acked_and_remembered() -> None:
     t = TransferTable()
-    assert t.on_cancel("peer", "x", 3, 0) == [AckCancel("peer", "x", 3, data_written=False)]
+    assert t.on_cancel("peer", "D", "x", 3, 0) == [AckCancel("peer", "x", 3, data_written=False)]
     assert isinstance(t.on_prefill_done(_done(tid="x"), 0)[0], ReleaseBlocks)
 
 
@@ -192,7 +192,7 @@ def test_leases_expire_both_ways() -> None:
     kinds = {type(a) for a in actions}
     assert kinds == {Reject, ReleaseBlocks}
     rej = next(a for a in actions if isinstance(a, Reject))
-    assert rej.code is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert rej.code is RefusalCode.DEADLINE_EXCEEDED
     assert t.active_count() == 0
 
 
@@ -200,7 +200,7 @@ def test_peer_lost_drops_its_unmatched_reservations() -> None:
     t = TransferTable()
     t.on_reservation(_res(), 0)
     t.on_peer_lost("peer", 0)
-    assert t.state("t") is PrefillState.CANCELLED
+    assert t.state("D", "t") is PrefillState.CANCELLED
 
 
 def test_newer_epoch_while_writing_is_written_next() -> None:
@@ -208,7 +208,7 @@ def test_newer_epoch_while_writing_is_written_next() -> None:
     t.on_reservation(_res(epoch=1), 0)
     t.on_prefill_done(_done(), 0)
     assert t.on_reservation(_res(epoch=2, blocks=(30, 31)), 0) == []
-    (start,) = t.on_write_finished("t", 1, True, "", 1)
+    (start,) = t.on_write_finished("D", "t", 1, True, "", 1)
     assert isinstance(start, StartWrite) and start.reservation.epoch == 2
 
 
@@ -240,19 +240,19 @@ def test_barrier_settle_releases_and_later_completions_error() -> None:
     assert rel is not None and rel.outcome is Outcome.CANCELLED
     with pytest.raises(CompletionError) as e:
         b.complete("t", 1, 0, "P", True, "", 0)
-    assert e.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert e.value.code is RefusalCode.FAILED_PRECONDITION
 
 
 @pytest.mark.parametrize(
     ("tid", "epoch", "rank", "engine", "code"),
     [
-        ("nope", 1, 0, "P", grpc.StatusCode.NOT_FOUND),
-        ("t", 7, 0, "P", grpc.StatusCode.FAILED_PRECONDITION),
-        ("t", 2, 5, "P", grpc.StatusCode.INVALID_ARGUMENT),
-        ("t", 2, 0, "other", grpc.StatusCode.PERMISSION_DENIED),
+        ("nope", 1, 0, "P", RefusalCode.NOT_FOUND),
+        ("t", 7, 0, "P", RefusalCode.FAILED_PRECONDITION),
+        ("t", 2, 5, "P", RefusalCode.INVALID_ARGUMENT),
+        ("t", 2, 0, "other", RefusalCode.PERMISSION_DENIED),
     ],
 )
-def test_barrier_bad_completions(tid: str, epoch: int, rank: int, engine: str, code: grpc.StatusCode) -> None:
+def test_barrier_bad_completions(tid: str, epoch: int, rank: int, engine: str, code: RefusalCode) -> None:
     b = BarrierTable()
     b.expect("t", 1, "r", [0], "P", 0)
     b.settle("t", 1, Outcome.CANCELLED, "", 0)
@@ -310,17 +310,17 @@ def test_model_shape_hash_changes_with_layout() -> None:
 def test_done_after_cancel_consumes_the_kv_so_newer_epochs_fail_fast() -> None:
     t = TransferTable()
     t.on_reservation(_res(epoch=1), 0)
-    t.on_cancel("peer", "t", 1, 0)
+    t.on_cancel("peer", "D", "t", 1, 0)
     assert isinstance(t.on_prefill_done(_done(), 0)[0], ReleaseBlocks)
     (rej,) = t.on_reservation(_res(epoch=2), 0)
-    assert isinstance(rej, Reject) and rej.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(rej, Reject) and rej.code is RefusalCode.FAILED_PRECONDITION
 
 
 def test_newer_epoch_reopens_a_cancelled_transfer_before_prefill() -> None:
     t = TransferTable()
     t.on_reservation(_res(epoch=1), 0)
-    t.on_cancel("peer", "t", 1, 0)
-    assert t.on_reservation(_res(epoch=1), 0)[0].code is grpc.StatusCode.FAILED_PRECONDITION  # type: ignore[union-attr]
+    t.on_cancel("peer", "D", "t", 1, 0)
+    assert t.on_reservation(_res(epoch=1), 0)[0].code is RefusalCode.FAILED_PRECONDITION  # type: ignore[union-attr]
     assert t.on_reservation(_res(epoch=2), 0) == []
     assert isinstance(t.on_prefill_done(_done(), 0)[0], StartWrite)
 
@@ -328,8 +328,8 @@ def test_newer_epoch_reopens_a_cancelled_transfer_before_prefill() -> None:
 def test_prefill_abort_rejects_the_waiting_reservation_and_later_ones() -> None:
     t = TransferTable()
     t.on_reservation(_res(), 0)
-    (rej,) = t.on_prefill_aborted("t", 0)
-    assert isinstance(rej, Reject) and rej.code is grpc.StatusCode.ABORTED
-    assert t.on_prefill_aborted("u", 0) == []
+    (rej,) = t.on_prefill_aborted("D", "t", 0)
+    assert isinstance(rej, Reject) and rej.code is RefusalCode.ABORTED
+    assert t.on_prefill_aborted("D", "u", 0) == []
     (late,) = t.on_reservation(_res(tid="u"), 0)
-    assert isinstance(late, Reject) and late.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert isinstance(late, Reject) and late.code is RefusalCode.FAILED_PRECONDITION

@@ -79,13 +79,49 @@ def _env() -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
 
+# A node started while this names a directory of `make certs` files serves and dials with mutual
+# TLS, as the engine ``engine_id`` (``start_cluster(tls_dir=...)`` sets it around the spawn).
+TLS_DIR_ENV = "KVPUSH_TEST_TLS_DIR"
+
+
+def _security(engine_id: str) -> Any:
+    from services.common.security import Security, TlsFiles
+
+    tls_dir = os.environ.get(TLS_DIR_ENV, "")
+    return Security.mtls(TlsFiles.in_dir(tls_dir, engine_id)) if tls_dir else None
+
+
+@contextlib.contextmanager
+def tls_env(tls_dir: str) -> Any:
+    """Nodes spawned inside use the certificates in ``tls_dir`` (empty: plaintext)."""
+    old = os.environ.pop(TLS_DIR_ENV, None)
+    if tls_dir:
+        os.environ[TLS_DIR_ENV] = tls_dir
+    try:
+        yield
+    finally:
+        os.environ.pop(TLS_DIR_ENV, None)
+        if old is not None:
+            os.environ[TLS_DIR_ENV] = old
+
+
 # ----- prefill node ---------------------------------------------------------------------------
 
 
 def prefill_node(
-    conn: Connection, engine_id: str, rank: int, tp_size: int, num_blocks: int, auth: str, write_timeout_s: float = 30.0
+    conn: Connection,
+    engine_id: str,
+    rank: int,
+    tp_size: int,
+    num_blocks: int,
+    auth: str,
+    write_timeout_s: float = 30.0,
+    decode_engine_id: str = "",
 ) -> None:
+    """``decode_engine_id``: the decode engine that prefill legs name unless a command says
+    otherwise; by default the cluster's (``prefill<tag>`` pairs with ``decode<tag>``)."""
     _env()
+    decode_engine_id = decode_engine_id or engine_id.replace("prefill", "decode", 1)
     from services.common.nixl_engine import NixlEngine
     from services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
 
@@ -98,7 +134,13 @@ def prefill_node(
     engine = NixlEngine(f"prefill-{engine_id}-{os.getpid()}-r{rank}")
     engine.register([(r.base_addr, r.num_blocks * r.block_stride) for r in regions.regions])
     cfg = PrefillAgentConfig(
-        engine_id=engine_id, rank=rank, tp_size=tp_size, shape=shape(), auth_token=auth, write_timeout_s=write_timeout_s
+        engine_id=engine_id,
+        rank=rank,
+        tp_size=tp_size,
+        shape=shape(),
+        auth_token=auth,
+        write_timeout_s=write_timeout_s,
+        security=_security(engine_id),
     )
     agent = PrefillAgent(cfg, engine, regions).start()
     # A gate in front of the real NIXL post, so a test can hold the writer inside a WRITE.
@@ -125,17 +167,27 @@ def prefill_node(
             gate_open.set()
             conn.send(None)
         elif cmd == "done":
-            tid, block_ids, num_tokens = args
-            agent.prefill_done(tid, f"req-{tid}", block_ids, num_tokens)
+            # tid, block_ids, num_tokens[, request_id[, decode_engine_id]]
+            tid, block_ids, num_tokens, *rest = args
+            rid = rest[0] if rest else f"req-{tid}"
+            engine = rest[1] if len(rest) > 1 else decode_engine_id
+            agent.prefill_done(tid, rid, block_ids, num_tokens, decode_engine_id=engine)
         elif cmd == "released":
             (timeout,) = args
             conn.send([(r.transfer_id, r.reason) for r in agent.take_released(timeout)])
+        elif cmd == "released_requests":
+            (timeout,) = args
+            conn.send([(r.transfer_id, r.request_id, r.reason) for r in agent.take_released(timeout)])
         elif cmd == "wait_reservation":
-            tid, epoch, timeout = args
+            # tid, epoch, timeout[, decode_engine_id]
+            tid, epoch, timeout, *rest = args
+            engine = rest[0] if rest else decode_engine_id
             deadline = time.monotonic() + timeout
             got = None
             while time.monotonic() < deadline:
-                got = agent.writer.call(lambda tid=tid: agent.writer.table.reservation_epoch(tid)).result(5)
+                got = agent.writer.call(
+                    lambda tid=tid, engine=engine: agent.writer.table.reservation_epoch(engine, tid)
+                ).result(5)
                 if got == epoch:
                     break
                 time.sleep(0.01)  # polling a condition under a deadline
@@ -145,6 +197,8 @@ def prefill_node(
             conn.send(None)
         elif cmd == "table":
             conn.send(agent.writer.call(lambda: agent.writer.table.active_count()).result(5))
+        elif cmd == "sessions":
+            conn.send(agent.writer.call(lambda: len(agent.writer._sessions)).result(5))
         elif cmd == "stop":
             agent.stop()
             conn.send("stopped")
@@ -164,6 +218,9 @@ class _Outcomes:
     settled: dict[str, tuple[str, str]] = field(default_factory=dict)
     epochs: dict[str, int] = field(default_factory=dict)  # newest epoch seen per transfer
     settled_epochs: dict[tuple[str, int], str] = field(default_factory=dict)
+    # Per decode request id: every rank's release, and the agent's settlement if any.
+    by_request: dict[str, dict[int, tuple[str, str]]] = field(default_factory=lambda: defaultdict(dict))
+    settled_by_request: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def record(self, tid: str, epoch: int) -> None:
         """Keeps only the newest epoch's releases."""
@@ -195,26 +252,32 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
     def on_release(rank: int) -> Any:
         def cb(rel: Released) -> None:
             with outcomes.cv:
-                outcomes.record(rel.transfer_id, rel.epoch)
-                if rel.epoch < outcomes.epochs[rel.transfer_id]:
-                    return
-                outcomes.rank_releases[rel.transfer_id][rank] = (rel.outcome.value, rel.reason)
-                done = outcomes.final(rel.transfer_id)
+                mine = outcomes.by_request[rel.request_id]
+                mine[rank] = (rel.outcome.value, rel.reason)
+                done = len(mine) == outcomes.tp_size
                 outcomes.cv.notify_all()
-            if done is not None and agent_box:
+                # Per transfer id, only the requests named the default way (``dreq-<tid>``).
+                if rel.request_id == f"dreq-{rel.transfer_id}":
+                    outcomes.record(rel.transfer_id, rel.epoch)
+                    if rel.epoch >= outcomes.epochs[rel.transfer_id]:
+                        outcomes.rank_releases[rel.transfer_id][rank] = (rel.outcome.value, rel.reason)
+            if done and agent_box:
                 agent_box[0].finished(rel.transfer_id, rel.epoch)
 
         return cb
 
     def on_settled(s: Settled) -> None:
         with outcomes.cv:
-            outcomes.settled_epochs[(s.transfer_id, s.epoch)] = s.state.value
-            outcomes.record(s.transfer_id, s.epoch)
-            if s.epoch == outcomes.epochs[s.transfer_id]:
-                outcomes.settled[s.transfer_id] = (s.state.value, s.reason)
+            outcomes.settled_by_request[s.request_id] = (s.state.value, s.reason)
+            if s.request_id == f"dreq-{s.transfer_id}":
+                outcomes.settled_epochs[(s.transfer_id, s.epoch)] = s.state.value
+                outcomes.record(s.transfer_id, s.epoch)
+                if s.epoch == outcomes.epochs[s.transfer_id]:
+                    outcomes.settled[s.transfer_id] = (s.state.value, s.reason)
             outcomes.cv.notify_all()
 
     pools = [Pool.create(num_blocks, heads) for _ in range(tp_size)]
+    security = _security(engine_id)
     ranks = []
     progress_allowed = threading.Event()
     progress_allowed.set()
@@ -223,10 +286,12 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
         real_progress = engine.progress
         # A switch in front of the real NIXL progress, so a test can make this target stall.
         engine.progress = lambda real=real_progress: real() if progress_allowed.is_set() else {}  # type: ignore[method-assign]
-        cfg = DecodeRankConfig(engine_id=engine_id, rank=d, tp_size=tp_size, shape=shape())
+        cfg = DecodeRankConfig(engine_id=engine_id, rank=d, tp_size=tp_size, shape=shape(), security=security)
         ranks.append(create_rank(cfg, engine, pool.regions(), on_release=on_release(d)))
     agent = DecodeAgent(
-        DecodeAgentConfig(engine_id=engine_id, tp_size=tp_size, shape=shape(), auth_token=auth, grace_s=grace_s),
+        DecodeAgentConfig(
+            engine_id=engine_id, tp_size=tp_size, shape=shape(), auth_token=auth, grace_s=grace_s, security=security
+        ),
         [r.layout() for r in ranks],
         on_settled=on_settled,
     ).start()
@@ -235,11 +300,37 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
     while True:
         cmd, *args = conn.recv()
         if cmd == "reserve":
-            tid, leg, block_ids, num_tokens, skip = args
-            epoch = agent.reserve(tid, f"dreq-{tid}", DecodeLeg(**leg), block_ids, num_tokens, skip)
-            with outcomes.cv:
-                outcomes.record(tid, epoch)
+            # tid, leg, block_ids, num_tokens, skip[, request_id]
+            tid, leg, block_ids, num_tokens, skip, *rest = args
+            rid = rest[0] if rest else f"dreq-{tid}"
+            epoch = agent.reserve(tid, rid, DecodeLeg(**leg), block_ids, num_tokens, skip)
+            if rid == f"dreq-{tid}":
+                with outcomes.cv:
+                    outcomes.record(tid, epoch)
             conn.send(epoch)
+        elif cmd == "wait_request":
+            # Every rank's release of each request (and the settlement, for one not OK).
+            rids, timeout = args
+            deadline = time.monotonic() + timeout
+
+            def finals(rids: list[str] = rids) -> dict[str, Any]:
+                out: dict[str, Any] = {}
+                for rid in rids:
+                    ranks_of = outcomes.by_request.get(rid, {})
+                    out[rid] = dict(ranks_of) if len(ranks_of) == tp_size else None
+                return out
+
+            with outcomes.cv:
+                while True:
+                    got = finals()
+                    settled_ok = all(
+                        v is not None and (all(o == "ok" for o, _ in v.values()) or r in outcomes.settled_by_request)
+                        for r, v in got.items()
+                    )
+                    if settled_ok or time.monotonic() >= deadline:
+                        break
+                    outcomes.cv.wait(max(0.0, deadline - time.monotonic()))
+                conn.send({"ranks": got, "settled": {r: outcomes.settled_by_request.get(r) for r in rids}})
         elif cmd == "wait_settled":
             tid, epoch, timeout = args
             with outcomes.cv:
@@ -341,6 +432,7 @@ class Cluster:
     prefill: list[Node]
     prefill_engine_id: str
     tp_decode: int
+    decode_engine_id: str = ""
 
     def leg(self, tid: str, incarnations: list[str] | None = None) -> dict[str, Any]:
         return {
@@ -370,8 +462,12 @@ def start_cluster(
     grace_s: float = 0.5,
     tag: str = "",
     write_timeout_s: float = 30.0,
+    tls_dir: str = "",
 ) -> Cluster:
+    """``tls_dir``: mutual TLS with the certificates there (for engines ``prefill<tag>`` and
+    ``decode<tag>``); empty: plaintext."""
     pe = f"prefill{tag}"
-    prefill = [Node(prefill_node, pe, r, prefill_tp, num_blocks, auth, write_timeout_s) for r in range(prefill_tp)]
-    decode = Node(decode_node, f"decode{tag}", decode_tp, num_blocks, auth, grace_s)
-    return Cluster(decode, prefill, pe, decode_tp)
+    with tls_env(tls_dir):
+        prefill = [Node(prefill_node, pe, r, prefill_tp, num_blocks, auth, write_timeout_s) for r in range(prefill_tp)]
+        decode = Node(decode_node, f"decode{tag}", decode_tp, num_blocks, auth, grace_s)
+    return Cluster(decode, prefill, pe, decode_tp, f"decode{tag}")

@@ -1,8 +1,8 @@
-"""gRPC plumbing shared by every service: health checking, reflection, address helpers."""
+"""gRPC plumbing shared by every service: health checking, reflection, mTLS-aware servers."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import grpc
@@ -10,6 +10,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvpush.v1 import kvpush_pb2
+from services.common.limits import MAX_MESSAGE_BYTES  # a larger message: RESOURCE_EXHAUSTED
+from services.common.security import Rule, Security
 
 # Keep channels alive across idle periods and notice dead peers within seconds.
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
@@ -17,8 +19,8 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_timeout_ms", 2000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_time_ms", 2000),
@@ -26,8 +28,8 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
 ]
 
 
@@ -49,13 +51,22 @@ def service_name(short: str) -> str:
 
 
 async def start_aio_server(
-    add_servicer: Callable[[Any, grpc.aio.Server], None], servicer: Any, name: str, host: str, port: int
+    add_servicer: Callable[[Any, grpc.aio.Server], None],
+    servicer: Any,
+    name: str,
+    host: str,
+    port: int,
+    security: Security,
+    policy: Mapping[str, Rule],
+    own_name: str = "",
 ) -> tuple[grpc.aio.Server, int]:
     """Starts a grpc.aio server for one kvpush service (with health and reflection) on the
-    running loop; returns it and the bound port (``port`` 0 picks a free one)."""
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    running loop; returns it and the bound port (``port`` 0 picks a free one). With mTLS, every
+    call is checked against ``policy`` before its handler runs (``own_name``: this engine's id,
+    for methods only the same engine may call)."""
+    server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=security.interceptors(policy, own_name))
     add_servicer(servicer, server)
     add_health_and_reflection(server, [name])
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = security.add_port(server, f"{host}:{port}")
     await server.start()
     return server, bound

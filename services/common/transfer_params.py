@@ -1,15 +1,43 @@
 """The ``kv_transfer_params`` contract between the scheduler (who mints them) and the connector.
 
 Both legs of a request carry one dict under the key ``"kvpush"``; vLLM passes it through
-``Request.kv_transfer_params`` untouched.
+``Request.kv_transfer_params`` untouched. Anyone who can reach a vLLM's HTTP port can send any JSON
+there, so ``parse`` is total: every value is type- and bounds-checked, and anything malformed raises
+``LegError`` (a ``ValueError``) and nothing else.
+
+A leg minted by a scheduler with a signing key carries ``expires_at`` and ``sig``: an Ed25519
+signature over ``canonical_bytes(leg)``, every field but ``sig`` (``services.common.leg_signing``).
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from services.common import limits
+
 KEY = "kvpush"
+
+# Bounds of every field (the scheduler never mints anything larger; see docs/security.md).
+MAX_ID_CHARS = limits.MAX_ID_CHARS  # transfer ids, engine ids, incarnations
+MAX_ENDPOINT_CHARS = limits.MAX_ENDPOINT_CHARS
+MAX_LIST_ENTRIES = 1024
+MAX_EPOCH = 1 << 53  # epochs are exact in a JSON/protobuf double
+MAX_TP_SIZE = 1024
+MAX_EXPIRES_AT = 1e11  # unix seconds (year 5138): bounds the float, not the policy
+MAX_SIG_CHARS = 128  # base64url of a 64-byte Ed25519 signature is 86
+
+_SIGNING_CONTEXT = b"kvpush.leg.v1\n"  # domain separation: these bytes sign nothing else
+_ENDPOINT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
+_SIG = re.compile(r"[A-Za-z0-9_-]*")
+
+
+class LegError(ValueError):
+    """Malformed kvpush params: the request is served as if it carried none."""
 
 
 @dataclass(frozen=True)
@@ -19,6 +47,10 @@ class PrefillLeg:
     transfer_id: str
     decode_engine_id: str
     role: str = "prefill"
+    prefill_engine_id: str = ""  # the engine this leg is for; empty only in unsigned, hand-built legs
+    epoch: int = 0  # the scheduler's assignment epoch; 0: not given (unsigned, hand-built legs)
+    expires_at: float = 0.0  # unix seconds; 0: no expiry (unsigned legs)
+    sig: str = ""  # base64url Ed25519 signature of canonical_bytes(leg); empty: unsigned
 
 
 @dataclass(frozen=True)
@@ -35,36 +67,174 @@ class DecodeLeg:
     # since the assignment) refuses the stream. Empty: not checked.
     prefill_rank_incarnations: list[str] = field(default_factory=list)
     role: str = "decode"
+    decode_engine_id: str = ""  # the engine this leg is for; empty only in unsigned, hand-built legs
+    expires_at: float = 0.0
+    sig: str = ""
 
 
-def to_params(leg: PrefillLeg | DecodeLeg) -> dict[str, Any]:
+Leg = PrefillLeg | DecodeLeg
+
+
+def to_params(leg: Leg) -> dict[str, Any]:
     return {KEY: asdict(leg)}
 
 
-def parse(params: dict[str, Any] | None) -> PrefillLeg | DecodeLeg | None:
+def canonical_bytes(fields: Mapping[str, Any]) -> bytes:
+    """The bytes a leg's signature covers: every field but ``sig``, as sorted, compact, ASCII JSON.
+
+    ``fields`` is ``asdict(leg)`` of a parsed leg (or the scheduler's dict of the same fields, with
+    the same Python types): values are normalised by ``parse`` (ints are ints, ``expires_at`` a
+    float), so a leg that went through a protobuf Struct (every number a double) or another JSON
+    encoder verifies the same. JSON strings, numbers and lists are unambiguous, so no two different
+    legs share these bytes.
+    """
+    body = {k: v for k, v in fields.items() if k != "sig"}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    return _SIGNING_CONTEXT + text.encode("ascii")
+
+
+def parse(params: Any) -> Leg | None:
     """Returns the leg in ``params``, None when the request carries no kvpush params.
 
-    Raises ValueError for a malformed dict.
+    Raises ``LegError`` (and nothing else) for anything malformed: a value of the wrong type (bools
+    are not ints; floats count as ints only when finite, integral and in range, since a protobuf
+    Struct carries every number as a double), out of bounds, or inconsistent. Unknown keys are
+    ignored: they are not part of the leg, so nothing acts on them.
     """
-    if not params or KEY not in params:
+    if params is None:
+        return None
+    if not isinstance(params, Mapping):
+        raise LegError("kv_transfer_params must be an object")
+    if KEY not in params:
         return None
     raw = params[KEY]
-    if not isinstance(raw, dict):
-        raise ValueError(f"kv_transfer_params[{KEY!r}] must be an object")
+    if not isinstance(raw, Mapping):
+        raise LegError(f"kv_transfer_params[{KEY!r}] must be an object")
     role = raw.get("role")
-    try:
-        if role == "prefill":
-            return PrefillLeg(transfer_id=str(raw["transfer_id"]), decode_engine_id=str(raw["decode_engine_id"]))
-        if role == "decode":
-            return DecodeLeg(
-                transfer_id=str(raw["transfer_id"]),
-                epoch=int(raw["epoch"]),
-                prefill_engine_id=str(raw["prefill_engine_id"]),
-                prefill_incarnation=str(raw.get("prefill_incarnation", "")),
-                prefill_tp_size=int(raw["prefill_tp_size"]),
-                prefill_agent_endpoints=[str(e) for e in raw["prefill_agent_endpoints"]],
-                prefill_rank_incarnations=[str(i) for i in raw.get("prefill_rank_incarnations", [])],
-            )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"malformed kvpush params: {exc}") from exc
-    raise ValueError(f"unknown kvpush role {role!r}")
+    if role == "prefill":
+        return PrefillLeg(
+            transfer_id=_id(raw, "transfer_id", nonempty=True),
+            decode_engine_id=_id(raw, "decode_engine_id", nonempty=True),
+            prefill_engine_id=_id(raw, "prefill_engine_id", ""),
+            epoch=_int(raw, "epoch", 0, MAX_EPOCH, 0),
+            expires_at=_expiry(raw),
+            sig=_sig(raw),
+        )
+    if role == "decode":
+        tp = _int(raw, "prefill_tp_size", 1, MAX_TP_SIZE)
+        endpoints = _list(raw, "prefill_agent_endpoints", _endpoint)
+        incarnations = _list(raw, "prefill_rank_incarnations", _id_value, [])
+        if len(endpoints) != tp:
+            raise LegError(f"prefill_agent_endpoints has {len(endpoints)} entries for prefill_tp_size {tp}")
+        if incarnations and len(incarnations) != tp:
+            raise LegError(f"prefill_rank_incarnations has {len(incarnations)} entries for prefill_tp_size {tp}")
+        return DecodeLeg(
+            transfer_id=_id(raw, "transfer_id", nonempty=True),
+            epoch=_int(raw, "epoch", 1, MAX_EPOCH),
+            prefill_engine_id=_id(raw, "prefill_engine_id", nonempty=True),
+            # The engine's incarnation is its ranks' incarnations joined by commas.
+            prefill_incarnation=_id(raw, "prefill_incarnation", "", limit=(MAX_ID_CHARS + 1) * tp),
+            prefill_tp_size=tp,
+            prefill_agent_endpoints=endpoints,
+            prefill_rank_incarnations=incarnations,
+            decode_engine_id=_id(raw, "decode_engine_id", ""),
+            expires_at=_expiry(raw),
+            sig=_sig(raw),
+        )
+    raise LegError(f"unknown kvpush role {_show(role)}")
+
+
+# ----- field checks (each raises LegError only) ------------------------------------------------
+
+_MISSING: Any = object()
+
+
+def _get(raw: Mapping[str, Any], key: str, default: Any) -> Any:
+    value = raw.get(key, _MISSING)
+    if value is _MISSING:
+        if default is _MISSING:
+            raise LegError(f"missing {key}")
+        return default
+    return value
+
+
+def _show(value: Any) -> str:
+    """A short description of a hostile value for error messages (never the value itself in full)."""
+    if isinstance(value, str):
+        text = repr(value[:41])
+        return text if len(value) <= 40 else text[:40] + "..."
+    if isinstance(value, int | float | bool) or value is None:
+        text = repr(value) if not isinstance(value, int) or abs(value) < 10**30 else "<huge int>"
+        return text if len(text) <= 40 else text[:40] + "..."
+    return f"<{type(value).__name__}>"
+
+
+def _id_value(value: Any, key: str, limit: int = MAX_ID_CHARS, nonempty: bool = False) -> str:
+    if not isinstance(value, str):
+        raise LegError(f"{key} must be a string, not {_show(value)}")
+    if len(value) > limit:
+        raise LegError(f"{key} is longer than {limit} characters")
+    if not value.isprintable():
+        raise LegError(f"{key} has non-printable characters")
+    if nonempty and not value:
+        raise LegError(f"{key} must not be empty")
+    return value
+
+
+def _id(
+    raw: Mapping[str, Any], key: str, default: Any = _MISSING, limit: int = MAX_ID_CHARS, nonempty: bool = False
+) -> str:
+    return _id_value(_get(raw, key, default), key, limit, nonempty)
+
+
+def _endpoint(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise LegError(f"{key} entries must be strings, not {_show(value)}")
+    if len(value) > MAX_ENDPOINT_CHARS:
+        raise LegError(f"{key} entry is longer than {MAX_ENDPOINT_CHARS} characters")
+    m = _ENDPOINT.fullmatch(value)
+    if m is None or not 0 < int(m.group(1)) < 65536:
+        raise LegError(f"{key} entry {_show(value)} is not host:port")
+    return value
+
+
+def _list(raw: Mapping[str, Any], key: str, item: Any, default: Any = _MISSING) -> list[str]:
+    value = _get(raw, key, default)
+    if not isinstance(value, list):
+        raise LegError(f"{key} must be a list, not {_show(value)}")
+    if len(value) > MAX_LIST_ENTRIES:
+        raise LegError(f"{key} has more than {MAX_LIST_ENTRIES} entries")
+    return [item(v, key) for v in value]
+
+
+def _int(raw: Mapping[str, Any], key: str, lo: int, hi: int, default: Any = _MISSING) -> int:
+    value = _get(raw, key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LegError(f"{key} must be an integer, not {_show(value)}")
+    if isinstance(value, float):
+        # Only a finite, integral double in range is an integer here (math.isfinite first: no
+        # conversion of inf or nan is ever attempted).
+        if not math.isfinite(value) or not value.is_integer() or not lo <= value <= hi:
+            raise LegError(f"{key} must be an integer in {lo}..{hi}, not {_show(value)}")
+        return int(value)
+    if not lo <= value <= hi:
+        raise LegError(f"{key} must be in {lo}..{hi}, not {_show(value)}")
+    return value
+
+
+def _expiry(raw: Mapping[str, Any]) -> float:
+    value = _get(raw, "expires_at", 0.0)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise LegError(f"expires_at must be a number, not {_show(value)}")
+    if isinstance(value, int) and not 0 <= value <= MAX_EXPIRES_AT:
+        raise LegError(f"expires_at must be in 0..{MAX_EXPIRES_AT:.0f}, not {_show(value)}")
+    if not (math.isfinite(value) and 0.0 <= value <= MAX_EXPIRES_AT):
+        raise LegError(f"expires_at must be in 0..{MAX_EXPIRES_AT:.0f}, not {_show(value)}")
+    return float(value)
+
+
+def _sig(raw: Mapping[str, Any]) -> str:
+    value = _get(raw, "sig", "")
+    if not isinstance(value, str) or len(value) > MAX_SIG_CHARS or not _SIG.fullmatch(value):
+        raise LegError("sig must be a base64url string of at most 128 characters")
+    return value

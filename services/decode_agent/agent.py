@@ -21,10 +21,12 @@ import grpc
 
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.common import limits
 from services.common.aio_thread import LoopThread
 from services.common.grpc_util import CHANNEL_OPTIONS
 from services.common.layout import ModelShape, engine_identity
 from services.common.logs import get_logger
+from services.common.security import Security
 from services.common.tp import prefill_ranks_into
 from services.common.transfer_params import DecodeLeg
 from services.decode_agent import metrics
@@ -43,6 +45,9 @@ class DecodeAgentConfig:
     reservation_lease_ms: int = 30_000
     connect_timeout_s: float = 5.0
     rpc_timeout_s: float = 5.0
+    # mTLS for the channels to this engine's decode ranks and to the prefill agents (with this
+    # engine's decode certificate). None: plaintext (tests, logged).
+    security: Security | None = None
 
 
 class ExpectationRefused(Exception):
@@ -79,7 +84,8 @@ class PrefillLink:
     endpoint: str
     prefill_engine_id: str
     prefill_incarnation: str
-    outbox: asyncio.Queue[pb.DecodeMessage] = field(default_factory=asyncio.Queue)
+    # Bounded: a prefill rank that stops reading ends its link (its transfers are then fenced).
+    outbox: asyncio.Queue[pb.DecodeMessage] = field(default_factory=lambda: asyncio.Queue(maxsize=limits.MAX_OUTBOX))
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     error: str = ""
@@ -97,6 +103,7 @@ class DecodeAgent:
         if [r.tp_rank for r in rank_layouts] != list(range(config.tp_size)):
             raise ValueError(f"need the layouts of decode ranks 0..{config.tp_size - 1}")
         self.config = config
+        self.security = config.security or Security.insecure(f"decode-agent {config.engine_id}")
         self.identity = engine_identity(config.engine_id, pb.ROLE_DECODE, config.tp_size, config.shape, incarnation)
         self.rank_layouts = rank_layouts
         self.on_settled = on_settled
@@ -123,7 +130,7 @@ class DecodeAgent:
 
     async def _open_rank_channels(self) -> None:
         for layout in self.rank_layouts:
-            ch = grpc.aio.insecure_channel(layout.completion_endpoint, options=CHANNEL_OPTIONS)
+            ch = self.security.aio_channel(layout.completion_endpoint, CHANNEL_OPTIONS)
             self._rank_channels.append(ch)
             self._rank_stubs.append(pb_grpc.DecodeRankStub(ch))
 
@@ -166,8 +173,9 @@ class DecodeAgent:
         self._loop.call_soon(self._start_publish, pending)
         return epoch
 
-    def cancel(self, transfer_id: str, reason: str = "cancelled") -> None:
-        self._loop.call_soon(self._fence_by_id, transfer_id, None, DecodeState.CANCELLED, reason)
+    def cancel(self, transfer_id: str, reason: str = "cancelled", epoch: int | None = None) -> None:
+        """Fences the transfer's reservation ``epoch`` (the newest when None)."""
+        self._loop.call_soon(self._fence_by_id, transfer_id, epoch, DecodeState.CANCELLED, reason)
 
     def release_prefill(self, transfer_id: str, leg: DecodeLeg, reason: str) -> None:
         """Nothing will be reserved for ``transfer_id`` (aborted early, or decode already holds the
@@ -178,7 +186,7 @@ class DecodeAgent:
         incarnations = leg.prefill_rank_incarnations or [""] * len(leg.prefill_agent_endpoints)
         for endpoint, incarnation in zip(leg.prefill_agent_endpoints, incarnations, strict=False):
             link = self._link(endpoint, leg.prefill_engine_id, incarnation)
-            link.outbox.put_nowait(pb.DecodeMessage(cancel=pb.Cancel(transfer_id=transfer_id, epoch=0, reason=reason)))
+            self._send(link, pb.DecodeMessage(cancel=pb.Cancel(transfer_id=transfer_id, epoch=0, reason=reason)))
         log.info("prefill_release_requested", transfer_id=transfer_id, reason=reason)
 
     def finished(self, transfer_id: str, epoch: int | None = None) -> None:
@@ -209,6 +217,11 @@ class DecodeAgent:
     def _start_publish(self, p: _Pending) -> None:
         t = p.transfer
         old = self._current(t.transfer_id)
+        if old is not None and not old.transfer.settled and old.transfer.request_id != t.request_id:
+            # Another request holds this transfer id: refused, never superseding it (only a new
+            # epoch of the same request does).
+            self._refuse(p, old)
+            return
         self._transfers[(t.transfer_id, t.epoch)] = p
         self._latest[t.transfer_id] = t.epoch
         if old is not None and not old.transfer.settled:
@@ -216,6 +229,43 @@ class DecodeAgent:
             self._fence(old, DecodeState.CANCELLED, "superseded by a new epoch")
             p.after = old.gone
         p.task = asyncio.get_running_loop().create_task(self._publish(p))
+
+    def _refuse(self, p: _Pending, holder: _Pending) -> None:
+        """Fails ``p`` without publishing anything: its ranks get an expectation that names no
+        prefill rank (always refused, and remembered), then the FAILED settlement that releases
+        the request as failed. The holder's transfer is not touched."""
+        t = p.transfer
+        self._transfers[(t.transfer_id, t.epoch)] = p  # never the transfer id's current epoch
+        log.warning(
+            "duplicate_transfer_id",
+            transfer_id=t.transfer_id,
+            epoch=t.epoch,
+            request_id=t.request_id,
+            holder_request_id=holder.transfer.request_id,
+        )
+        nobody = pb.Expectation(
+            transfer_id=t.transfer_id, epoch=t.epoch, request_id=t.request_id, prefill_engine_id=p.leg.prefill_engine_id
+        )
+
+        async def register() -> None:
+            p.expected = asyncio.gather(*(self._expect(rank, nobody) for rank in range(self.config.tp_size)))
+            with contextlib.suppress(ExpectationRefused):
+                await p.expected
+
+        p.task = asyncio.get_running_loop().create_task(register())
+        self._fence(p, DecodeState.FAILED, "duplicate transfer id: another request holds it")
+
+    def _send(self, link: PrefillLink, msg: pb.DecodeMessage) -> bool:
+        """Queues ``msg`` on the link; a full outbox ends the link (its transfers are fenced)."""
+        try:
+            link.outbox.put_nowait(msg)
+            return True
+        except asyncio.QueueFull:
+            if not link.lost.is_set() and link.task is not None and not link.task.done():
+                log.warning("prefill_link_overflow", endpoint=link.endpoint, depth=link.outbox.maxsize)
+                link.error = f"more than {link.outbox.maxsize} messages unsent"
+                link.task.cancel()
+            return False
 
     async def _publish(self, p: _Pending) -> None:
         t, leg = p.transfer, p.leg
@@ -271,7 +321,9 @@ class DecodeAgent:
                 return
             if t.state is not DecodeState.RESERVED and t.state is not DecodeState.PUBLISHED:
                 return
-            link.outbox.put_nowait(msg)
+            if not self._send(link, msg):
+                self._fence(p, DecodeState.FAILED, f"prefill rank {endpoint} does not read its stream")
+                return
             t.links = (*t.links, endpoint)
             t.mark_published(time.monotonic())
         metrics.RESERVATIONS.inc()
@@ -352,7 +404,7 @@ class DecodeAgent:
                 auth_token=self.config.auth_token,
             )
         )
-        channel = grpc.aio.insecure_channel(link.endpoint, options=CHANNEL_OPTIONS)
+        channel = self.security.aio_channel(link.endpoint, CHANNEL_OPTIONS)
         call = pb_grpc.PrefillAgentStub(channel).Reservations()
         sender: asyncio.Task[None] | None = None
         try:
@@ -396,19 +448,27 @@ class DecodeAgent:
         if kind == "cancel_ack":
             a = msg.cancel_ack
             p = self._transfers.get((a.transfer_id, a.epoch))
-            if p is not None:
-                p.transfer.on_cancel_ack(link.endpoint)
-                self._maybe_settle(p)
+            if p is None:
+                return  # already settled, or a release of prefill KV (epoch 0)
+            if link.endpoint not in p.transfer.links:
+                log.warning("cancel_ack_ignored", endpoint=link.endpoint, transfer_id=a.transfer_id, epoch=a.epoch)
+                return
+            p.transfer.on_cancel_ack(link.endpoint)
+            self._maybe_settle(p)
         elif kind == "rejected":
             r = msg.rejected
             code = grpc.StatusCode.UNKNOWN
             for c in grpc.StatusCode:
                 if c.value[0] == r.code:
                     code = c
-            log.warning(
-                "reservation_rejected", transfer_id=r.transfer_id, epoch=r.epoch, code=code.name, reason=r.message
-            )
-            self._fence_by_id(r.transfer_id, r.epoch, DecodeState.FAILED, f"{code.name}: {r.message}")
+            tid, message = r.transfer_id[: limits.MAX_ID_CHARS], limits.clip(r.message)
+            p = self._transfers.get((r.transfer_id, r.epoch))
+            if p is None or link.endpoint not in p.transfer.links:
+                # Only a prefill rank the reservation went to can reject it.
+                log.warning("rejection_ignored", endpoint=link.endpoint, transfer_id=tid, epoch=r.epoch, code=code.name)
+                return
+            log.warning("reservation_rejected", transfer_id=tid, epoch=r.epoch, code=code.name, reason=message)
+            self._fence(p, DecodeState.FAILED, f"{code.name}: {message}")
         elif kind == "drain":
             log.info("prefill_draining", endpoint=link.endpoint, reason=msg.drain.reason)
 
@@ -454,12 +514,9 @@ class DecodeAgent:
         first = t.state is not DecodeState.CANCELLING
         for endpoint in t.start_fence(outcome, reason, lost):
             link = self._links.get(endpoint)
-            if link is None:
+            cancel = pb.DecodeMessage(cancel=pb.Cancel(transfer_id=t.transfer_id, epoch=t.epoch, reason=reason))
+            if link is None or not self._send(link, cancel):
                 t.on_link_lost(endpoint, now + self.config.grace_s)
-                continue
-            link.outbox.put_nowait(
-                pb.DecodeMessage(cancel=pb.Cancel(transfer_id=t.transfer_id, epoch=t.epoch, reason=reason))
-            )
         if first:
             log.info("fence_started", transfer_id=t.transfer_id, epoch=t.epoch, outcome=outcome.value, reason=reason)
         p.reserve_called = now if first else p.reserve_called

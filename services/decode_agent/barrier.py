@@ -7,14 +7,21 @@ collects one completion per prefill rank. It releases the transfer:
   (a failed rank stops writing; the others finish their WRITEs within milliseconds), or
 - on the agent's ``settle``, which it sends only once no WRITE for the epoch can still land.
 Duplicates are idempotent; unknown transfers, stale epochs and unexpected ranks are errors.
+
+A transfer id belongs to one decode request: an expectation for it from another request, while
+the first is open or remembered, is refused with ALREADY_EXISTS (never replaces the first). Every
+refused expectation is remembered, so the agent's ``settle`` for it still releases its request as
+FAILED: a request is always released, and never as a success it was not.
 """
 
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
-import grpc
+from services.common import limits
+from services.common.refusal import RefusalCode
 
 
 class BarrierState(enum.Enum):
@@ -30,7 +37,7 @@ class Outcome(enum.Enum):
 
 
 class CompletionError(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: RefusalCode, message: str) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
@@ -64,10 +71,19 @@ class CompletionBarrier:
 
 
 class BarrierTable:
-    def __init__(self, tombstone_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        tombstone_s: float = 60.0,
+        max_pending: int = limits.MAX_PENDING_BARRIERS,
+        max_refused: int = limits.MAX_REFUSED_REMEMBERED,
+    ) -> None:
         self.tombstone_s = tombstone_s
+        self.max_pending = max_pending
+        self.max_refused = max_refused
         self._barriers: dict[str, CompletionBarrier] = {}
         self._pending = 0
+        # (transfer id, epoch) of refused expectations -> (request id, when): their settle fails them.
+        self._refused: OrderedDict[tuple[str, int], tuple[str, float]] = OrderedDict()
 
     def pending_count(self) -> int:
         return self._pending
@@ -84,22 +100,49 @@ class BarrierTable:
         prefill_engine_id: str,
         now: float,
     ) -> None:
-        if not prefill_ranks:
-            raise CompletionError(grpc.StatusCode.INVALID_ARGUMENT, "an expectation needs at least one prefill rank")
+        try:
+            self._check_expect(transfer_id, epoch, request_id, prefill_ranks)
+        except CompletionError:
+            self._remember_refused(transfer_id, epoch, request_id, now)
+            raise
         b = self._barriers.get(transfer_id)
-        if b is not None and epoch < b.epoch:
-            raise CompletionError(grpc.StatusCode.FAILED_PRECONDITION, f"stale epoch {epoch} < {b.epoch}")
         if b is not None and epoch == b.epoch:
             return
-        if b is not None and b.state is not BarrierState.RELEASED:
-            raise CompletionError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"epoch {b.epoch} of {transfer_id} is still open; settle it before a new epoch",
-            )
+        self._refused.pop((transfer_id, epoch), None)  # this (transfer, epoch) is a barrier's now
         self._barriers[transfer_id] = CompletionBarrier(
             transfer_id, epoch, request_id, frozenset(prefill_ranks), prefill_engine_id, now
         )
         self._pending += 1
+
+    def _check_expect(self, transfer_id: str, epoch: int, request_id: str, prefill_ranks: list[int]) -> None:
+        if not prefill_ranks:
+            raise CompletionError(RefusalCode.INVALID_ARGUMENT, "an expectation needs at least one prefill rank")
+        b = self._barriers.get(transfer_id)
+        if b is not None and b.request_id != request_id:
+            raise CompletionError(RefusalCode.ALREADY_EXISTS, "duplicate transfer id: another request holds it")
+        if b is not None and epoch < b.epoch:
+            raise CompletionError(RefusalCode.FAILED_PRECONDITION, f"stale epoch {epoch} < {b.epoch}")
+        if b is not None and epoch == b.epoch:
+            return
+        if b is not None and b.state is not BarrierState.RELEASED:
+            raise CompletionError(
+                RefusalCode.FAILED_PRECONDITION,
+                f"epoch {b.epoch} of {transfer_id} is still open; settle it before a new epoch",
+            )
+        if self._pending >= self.max_pending:
+            raise CompletionError(RefusalCode.RESOURCE_EXHAUSTED, f"more than {self.max_pending} transfers pending")
+
+    def _remember_refused(self, transfer_id: str, epoch: int, request_id: str, now: float) -> None:
+        key = (transfer_id, epoch)
+        b = self._barriers.get(transfer_id)
+        if key in self._refused or (b is not None and (b.epoch == epoch or b.request_id == request_id)):
+            return  # the first word on a (transfer, epoch) stands; the request's own barrier releases it
+        self._refused[key] = (request_id, now)
+        while len(self._refused) > self.max_refused:
+            self._refused.popitem(last=False)
+
+    def refused_count(self) -> int:
+        return len(self._refused)
 
     def complete(
         self,
@@ -114,25 +157,18 @@ class BarrierTable:
         """Records one rank's completion; returns the release it caused, if any."""
         b = self._barriers.get(transfer_id)
         if b is None:
-            raise CompletionError(grpc.StatusCode.NOT_FOUND, f"unknown transfer {transfer_id!r}")
+            raise CompletionError(RefusalCode.NOT_FOUND, "unknown transfer")
         if epoch != b.epoch:
-            raise CompletionError(
-                grpc.StatusCode.FAILED_PRECONDITION, f"stale epoch {epoch} for {transfer_id} (current {b.epoch})"
-            )
+            raise CompletionError(RefusalCode.FAILED_PRECONDITION, f"stale epoch {epoch} (current {b.epoch})")
         if prefill_engine_id != b.prefill_engine_id:
-            raise CompletionError(
-                grpc.StatusCode.PERMISSION_DENIED,
-                f"engine {prefill_engine_id!r} is not the prefill engine of {transfer_id}",
-            )
+            raise CompletionError(RefusalCode.PERMISSION_DENIED, "not the prefill engine of this transfer")
         if prefill_rank not in b.expected:
-            raise CompletionError(
-                grpc.StatusCode.INVALID_ARGUMENT, f"prefill rank {prefill_rank} does not write {transfer_id}"
-            )
+            raise CompletionError(RefusalCode.INVALID_ARGUMENT, f"prefill rank {prefill_rank} does not write it")
         if b.state is BarrierState.RELEASED:
             if prefill_rank in b.reported():
                 return None  # duplicate after release: idempotent
             raise CompletionError(
-                grpc.StatusCode.FAILED_PRECONDITION,
+                RefusalCode.FAILED_PRECONDITION,
                 f"{transfer_id} epoch {epoch} was already settled ({b.outcome.value if b.outcome else '?'})",
             )
         if prefill_rank in b.reported():
@@ -152,12 +188,15 @@ class BarrierTable:
 
     def settle(self, transfer_id: str, epoch: int, outcome: Outcome, reason: str, now: float) -> Released | None:
         b = self._barriers.get(transfer_id)
+        if b is None or epoch != b.epoch:
+            refused = self._refused.pop((transfer_id, epoch), None)
+            if refused is not None:
+                # Its expectation was refused, so nothing was ever written for it: the request fails.
+                return Released(transfer_id, epoch, refused[0], Outcome.FAILED, reason or "expectation refused")
         if b is None:
-            raise CompletionError(grpc.StatusCode.NOT_FOUND, f"unknown transfer {transfer_id!r}")
+            raise CompletionError(RefusalCode.NOT_FOUND, "unknown transfer")
         if epoch != b.epoch:
-            raise CompletionError(
-                grpc.StatusCode.FAILED_PRECONDITION, f"stale epoch {epoch} for {transfer_id} (current {b.epoch})"
-            )
+            raise CompletionError(RefusalCode.FAILED_PRECONDITION, f"stale epoch {epoch} (current {b.epoch})")
         if b.state is BarrierState.RELEASED:
             return None
         return self._release(b, outcome, reason, now)
@@ -169,6 +208,11 @@ class BarrierTable:
             if b.released_at is not None and b.released_at + self.tombstone_s <= now
         ]:
             del self._barriers[tid]
+        while self._refused:
+            key, (_, at) = next(iter(self._refused.items()))
+            if at + self.tombstone_s > now:
+                break
+            del self._refused[key]
 
     def _release(self, b: CompletionBarrier, outcome: Outcome, reason: str, now: float) -> Released:
         b.state, b.outcome, b.released_at = BarrierState.RELEASED, outcome, now

@@ -20,18 +20,35 @@ import grpc
 
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.common import limits
 from services.common.aio_thread import LoopThread
 from services.common.grpc_util import start_aio_server
 from services.common.handoff import Handoff
 from services.common.layout import ModelShape, RankRegions, layout_message
 from services.common.logs import get_logger
 from services.common.nixl_engine import NixlEngine
+from services.common.security import DECODE_RANK_POLICY, PREFILL, Security, claim_problem, peer_identity
 from services.decode_agent import metrics
 from services.decode_agent.barrier import BarrierTable, CompletionError, Outcome, Released
 
 log = get_logger("decode.rank")
 
 _OUTCOME = {pb.TRANSFER_STATUS_FAILED: Outcome.FAILED, pb.TRANSFER_STATUS_CANCELLED: Outcome.CANCELLED}
+
+
+def _status(exc: CompletionError) -> grpc.StatusCode:
+    """The barrier's pure refusal code, as gRPC's (this module is the barrier's gRPC edge)."""
+    return grpc.StatusCode[exc.code.name]
+
+
+def _expectation_out_of_bounds(e: pb.Expectation) -> str | None:
+    if max(len(e.transfer_id), len(e.request_id), len(e.prefill_engine_id)) > limits.MAX_ID_CHARS:
+        return f"an id is longer than {limits.MAX_ID_CHARS} characters"
+    if len(e.prefill_ranks) > limits.MAX_TP or any(r >= limits.MAX_TP for r in e.prefill_ranks):
+        return f"prefill ranks beyond TP {limits.MAX_TP}"
+    if len(set(e.prefill_ranks)) != len(e.prefill_ranks):
+        return "prefill ranks repeat"
+    return None
 
 
 @dataclass
@@ -48,6 +65,10 @@ class DecodeRankConfig:
     # The agent publishes a reservation and registers it here concurrently; a completion that
     # overtakes its expectation waits this long for it before it is refused as unknown.
     expect_wait_s: float = 2.0
+    max_pending_barriers: int = limits.MAX_PENDING_BARRIERS  # transfers waited for at once
+    # mTLS: Complete only from prefill identities (each in its own name), Expect and Settle only
+    # from this engine's decode agent. None: plaintext (tests, logged).
+    security: Security | None = None
 
 
 class DecodeRank(pb_grpc.DecodeRankServicer):
@@ -59,9 +80,10 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         on_release: Callable[[Released], None] | None = None,
     ) -> None:
         self.config = config
+        self.security = config.security or Security.insecure(f"decode-rank {config.engine_id}/{config.rank}")
         self.engine = engine
         self.local = local
-        self.table = BarrierTable(tombstone_s=config.tombstone_s)
+        self.table = BarrierTable(tombstone_s=config.tombstone_s, max_pending=config.max_pending_barriers)
         self._on_release = on_release
         self._released: Handoff[Released] = Handoff()
         self._loop = LoopThread(f"kvpush-decode-rank-{config.rank}")
@@ -96,7 +118,14 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
 
     async def _start_server(self) -> None:
         self._server, self.port = await start_aio_server(
-            pb_grpc.add_DecodeRankServicer_to_server, self, "DecodeRank", self.config.host, self.config.port
+            pb_grpc.add_DecodeRankServicer_to_server,
+            self,
+            "DecodeRank",
+            self.config.host,
+            self.config.port,
+            self.security,
+            DECODE_RANK_POLICY,
+            own_name=self.config.engine_id,
         )
 
     def stop(self, grace_s: float = 1.0) -> None:
@@ -138,7 +167,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
 
     def _released_now(self, rel: Released) -> None:
         b = self.table.get(rel.transfer_id)
-        waited = (time.monotonic() - b.created) if b else 0.0
+        waited = (time.monotonic() - b.created) if b and b.request_id == rel.request_id else 0.0
         metrics.RELEASED.labels(outcome=rel.outcome.value).inc()
         metrics.BARRIER_SECONDS.observe(waited)
         log.info(
@@ -158,18 +187,29 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
     # ----- gRPC ---------------------------------------------------------------------------
 
     async def Expect(self, request: pb.ExpectRequest, context: grpc.aio.ServicerContext) -> pb.ExpectResponse:  # noqa: N802
+        if len(request.expectations) > limits.MAX_EXPECTATIONS_PER_CALL:
+            log.warning("expect_refused", count=len(request.expectations), reason="too many expectations in one call")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"more than {limits.MAX_EXPECTATIONS_PER_CALL} expectations"
+            )
         now = time.monotonic()
         if now >= self._next_expiry:
             self.table.expire(now)
             self._next_expiry = now + 1.0
         results = []
         for e in request.expectations:
+            problem = _expectation_out_of_bounds(e)
+            if problem is not None:
+                log.warning("expect_refused", transfer_id=e.transfer_id[: limits.MAX_ID_CHARS], reason=problem)
+                results.append(pb.ExpectResult(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=problem))
+                continue
             try:
                 self.table.expect(e.transfer_id, e.epoch, e.request_id, list(e.prefill_ranks), e.prefill_engine_id, now)
                 results.append(pb.ExpectResult())
             except CompletionError as exc:
-                log.warning("expect_refused", transfer_id=e.transfer_id, code=exc.code.name, reason=exc.message)
-                results.append(pb.ExpectResult(code=exc.code.value[0], message=exc.message))
+                code = _status(exc)
+                log.warning("expect_refused", transfer_id=e.transfer_id, code=code.name, reason=exc.message)
+                results.append(pb.ExpectResult(code=code.value[0], message=exc.message))
             waiter = self._expected.pop(e.transfer_id, None)
             if waiter is not None:
                 waiter.set()
@@ -180,6 +220,8 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         b = self.table.get(transfer_id)
         if b is not None and b.epoch >= epoch:
             return
+        if transfer_id not in self._expected and len(self._expected) >= limits.MAX_PENDING_BARRIERS:
+            return  # too many completions already wait: this one is answered now
         waiter = self._expected.setdefault(transfer_id, asyncio.Event())
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(waiter.wait(), self.config.expect_wait_s)
@@ -187,14 +229,23 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             del self._expected[transfer_id]
 
     async def Complete(self, request: pb.Completion, context: grpc.aio.ServicerContext) -> pb.CompletionAck:  # noqa: N802
+        not_peer = claim_problem(peer_identity(context), request.prefill.engine_id, PREFILL)
+        if not_peer is not None:
+            log.warning("completion_refused", transfer_id=request.transfer_id, reason=not_peer)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, not_peer)
         if request.decode_rank != self.config.rank:
-            log.warning("completion_refused", transfer_id=request.transfer_id, reason="wrong decode rank")
+            log.warning(
+                "completion_refused", transfer_id=request.transfer_id[: limits.MAX_ID_CHARS], reason="wrong decode rank"
+            )
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"completion for rank {request.decode_rank} sent to {self.config.rank}",
             )
         if request.status not in (pb.TRANSFER_STATUS_OK, pb.TRANSFER_STATUS_FAILED):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "completion status must be OK or FAILED")
+        if len(request.transfer_id) > limits.MAX_ID_CHARS or len(request.prefill.engine_id) > limits.MAX_ID_CHARS:
+            log.warning("completion_refused", reason="id too long")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ids are at most {limits.MAX_ID_CHARS} characters")
         await self._await_expectation(request.transfer_id, request.epoch)
         try:
             rel = self.table.complete(
@@ -203,7 +254,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
                 request.prefill_rank,
                 request.prefill.engine_id,
                 request.status == pb.TRANSFER_STATUS_OK,
-                request.reason,
+                limits.clip(request.reason),
                 time.monotonic(),
             )
         except CompletionError as exc:
@@ -212,10 +263,10 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
                 transfer_id=request.transfer_id,
                 epoch=request.epoch,
                 prefill_rank=request.prefill_rank,
-                code=exc.code.name,
+                code=_status(exc).name,
                 reason=exc.message,
             )
-            await context.abort(exc.code, exc.message)
+            await context.abort(_status(exc), exc.message)
         if request.status == pb.TRANSFER_STATUS_OK:
             metrics.BYTES.inc(request.bytes_written)
         if rel is not None:
@@ -227,11 +278,16 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         outcome = _OUTCOME.get(request.status)
         if outcome is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "settlement status must be FAILED or CANCELLED")
+        if len(request.transfer_id) > limits.MAX_ID_CHARS:
+            log.warning("settle_refused", reason="transfer id too long")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ids are at most {limits.MAX_ID_CHARS} characters")
         try:
-            rel = self.table.settle(request.transfer_id, request.epoch, outcome, request.reason, time.monotonic())
+            rel = self.table.settle(
+                request.transfer_id, request.epoch, outcome, limits.clip(request.reason), time.monotonic()
+            )
         except CompletionError as exc:
-            log.warning("settle_refused", transfer_id=request.transfer_id, code=exc.code.name, reason=exc.message)
-            await context.abort(exc.code, exc.message)
+            log.warning("settle_refused", transfer_id=request.transfer_id, code=_status(exc).name, reason=exc.message)
+            await context.abort(_status(exc), exc.message)
         if rel is not None:
             self._released_now(rel)
             self._update_active()

@@ -9,6 +9,7 @@ transfer's KV is computed and collects :meth:`take_released` to free its blocks.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -17,12 +18,21 @@ import grpc
 
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.common import limits
 from services.common.aio_thread import LoopThread
 from services.common.grpc_util import CHANNEL_OPTIONS, start_aio_server
 from services.common.handoff import Handoff
 from services.common.layout import ModelShape, RankRegions, engine_identity
 from services.common.logs import get_logger
 from services.common.nixl_engine import NixlEngine
+from services.common.security import (
+    DECODE,
+    PREFILL_AGENT_POLICY,
+    PeerIdentity,
+    Security,
+    claim_problem,
+    peer_identity,
+)
 from services.common.tp import TopologyError, head_slices
 from services.prefill_agent.table import PrefillDone, ReleaseBlocks, Reservation, TransferTable
 from services.prefill_agent.writer import CompletionReport, PeerSession, PushWriter
@@ -46,11 +56,70 @@ class PrefillAgentConfig:
     default_reservation_lease_s: float = 30.0
     hello_timeout_s: float = 10.0
     write_timeout_s: float = 30.0  # a WRITE still in flight after this fails its transfer
+    outbox_depth: int = limits.MAX_OUTBOX  # messages queued towards one stream it does not read
+    max_open_transfers_per_decode: int = limits.MAX_OPEN_TRANSFERS_PER_DECODE
+    max_entries_per_decode: int = limits.MAX_ENTRIES_PER_DECODE
+    # mTLS for the agent's server and its completion channels; None: plaintext (tests, logged).
+    security: Security | None = None
 
 
-@dataclass(frozen=True)
-class _Close:
-    reason: str
+class _Outbox:
+    """Messages towards one decode stream, bounded: a stream that stops reading is ended with
+    RESOURCE_EXHAUSTED instead of growing the queue; ``end`` ends it with any code."""
+
+    def __init__(self, depth: int) -> None:
+        self.depth = depth
+        self.queue: asyncio.Queue[pb.PrefillMessage] = asyncio.Queue(maxsize=depth)
+        self.ended = asyncio.Event()
+        self.code = grpc.StatusCode.OK
+        self.reason = ""
+
+    def put(self, msg: pb.PrefillMessage) -> None:
+        if self.ended.is_set():
+            return
+        try:
+            self.queue.put_nowait(msg)
+        except asyncio.QueueFull:
+            self.end(grpc.StatusCode.RESOURCE_EXHAUSTED, f"more than {self.depth} messages unread: stream closed")
+
+    def end(self, code: grpc.StatusCode, reason: str) -> None:
+        if not self.ended.is_set():
+            self.code, self.reason = code, reason
+            self.ended.set()
+
+
+def _hello_out_of_bounds(hello: pb.Hello) -> str | None:
+    """The first bound a Hello breaks (checked before anything is sized by its fields)."""
+    d = hello.decode
+    if d.tp_size > limits.MAX_TP:
+        return f"decode TP size above {limits.MAX_TP}"
+    if len(hello.decode_ranks) != d.tp_size:
+        return "hello must carry one layout per decode rank"
+    for value in (d.engine_id, d.incarnation, hello.expected_prefill_engine_id, hello.expected_prefill_incarnation):
+        if len(value) > limits.MAX_ID_CHARS:
+            return f"an id or incarnation is longer than {limits.MAX_ID_CHARS} characters"
+    if len(d.compatibility_hash) > limits.MAX_HASH_CHARS:
+        return "compatibility hash too long"
+    for r in hello.decode_ranks:
+        if len(r.regions) > limits.MAX_REGIONS_PER_RANK:
+            return f"decode rank layout has more than {limits.MAX_REGIONS_PER_RANK} regions"
+        if len(r.completion_endpoint) > limits.MAX_ENDPOINT_CHARS or len(r.nixl_agent_name) > limits.MAX_ID_CHARS:
+            return "decode rank endpoint or NIXL agent name too long"
+    return None
+
+
+def _reservation_out_of_bounds(r: pb.Reservation) -> str | None:
+    if len(r.transfer_id) > limits.MAX_ID_CHARS:
+        return f"transfer_id longer than {limits.MAX_ID_CHARS} characters"
+    if len(r.block_ids) > limits.MAX_KV_GROUPS:
+        return f"more than {limits.MAX_KV_GROUPS} KV-cache groups"
+    if any(len(g.ids) > limits.MAX_BLOCK_IDS_PER_GROUP for g in r.block_ids):
+        return f"more than {limits.MAX_BLOCK_IDS_PER_GROUP} block ids in a group"
+    if r.num_skip_blocks > limits.MAX_BLOCK_IDS_PER_GROUP:
+        return f"num_skip_blocks above {limits.MAX_BLOCK_IDS_PER_GROUP}"
+    if r.lease_ms > limits.MAX_LEASE_MS:
+        return f"lease_ms above {limits.MAX_LEASE_MS}"
+    return None
 
 
 class PrefillAgent(pb_grpc.PrefillAgentServicer):
@@ -63,6 +132,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         on_release: Callable[[ReleaseBlocks], None] | None = None,
     ) -> None:
         self.config = config
+        self.security = config.security or Security.insecure(f"prefill-agent {config.engine_id}/{config.rank}")
         self.identity = engine_identity(config.engine_id, pb.ROLE_PREFILL, config.tp_size, config.shape, incarnation)
         self._on_release = on_release
         self._released: Handoff[ReleaseBlocks] = Handoff()
@@ -80,7 +150,11 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             local=local,
             deliver=self._deliver,
             release=self._release,
-            table=TransferTable(prefill_lease_s=config.prefill_lease_s),
+            table=TransferTable(
+                prefill_lease_s=config.prefill_lease_s,
+                max_open_per_decode=config.max_open_transfers_per_decode,
+                max_entries_per_decode=config.max_entries_per_decode,
+            ),
             write_timeout_s=config.write_timeout_s,
         )
 
@@ -99,7 +173,13 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
 
     async def _start_server(self) -> None:
         self._server, self.port = await start_aio_server(
-            pb_grpc.add_PrefillAgentServicer_to_server, self, "PrefillAgent", self.config.host, self.config.port
+            pb_grpc.add_PrefillAgentServicer_to_server,
+            self,
+            "PrefillAgent",
+            self.config.host,
+            self.config.port,
+            self.security,
+            PREFILL_AGENT_POLICY,
         )
 
     def stop(self, grace_s: float = 1.0) -> None:
@@ -127,13 +207,23 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         request_id: str,
         block_ids: list[list[int]] | tuple[tuple[int, ...], ...],
         num_tokens: int,
+        *,
+        decode_engine_id: str,
     ) -> None:
+        """The KV of ``request_id`` is computed; only a reservation from ``decode_engine_id`` (the
+        engine its prefill leg names) can ever be matched with it."""
         self.writer.prefill_done(
-            PrefillDone(transfer_id, request_id, tuple(tuple(int(b) for b in g) for g in block_ids), num_tokens)
+            PrefillDone(
+                transfer_id,
+                request_id,
+                tuple(tuple(int(b) for b in g) for g in block_ids),
+                num_tokens,
+                decode_engine_id,
+            )
         )
 
-    def prefill_aborted(self, transfer_id: str) -> None:
-        self.writer.prefill_aborted(transfer_id)
+    def prefill_aborted(self, transfer_id: str, *, decode_engine_id: str) -> None:
+        self.writer.prefill_aborted(decode_engine_id, transfer_id)
 
     def take_released(self, timeout_s: float = 0.0) -> list[ReleaseBlocks]:
         """Drains the released transfers, waiting up to ``timeout_s`` for at least one."""
@@ -155,7 +245,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         c = report.completion
         ch = self._channels.get(report.endpoint)
         if ch is None:
-            ch = self._channels[report.endpoint] = grpc.aio.insecure_channel(report.endpoint, options=CHANNEL_OPTIONS)
+            ch = self._channels[report.endpoint] = self.security.aio_channel(report.endpoint, CHANNEL_OPTIONS)
         stub = pb_grpc.DecodeRankStub(ch)
         for attempt in range(1, COMPLETION_ATTEMPTS + 1):
             try:
@@ -178,26 +268,31 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
 
     # ----- the reservations stream -------------------------------------------------------
 
-    def _check_hello(self, hello: pb.Hello) -> tuple[grpc.StatusCode, str] | None:
+    def _check_hello(self, hello: pb.Hello, peer: PeerIdentity | None = None) -> tuple[grpc.StatusCode, str] | None:
         cfg, me = self.config, self.identity
         d = hello.decode
-        if cfg.auth_token and hello.auth_token != cfg.auth_token:
+        not_peer = claim_problem(peer, d.engine_id, DECODE)
+        if not_peer is not None:
+            return grpc.StatusCode.PERMISSION_DENIED, not_peer
+        if cfg.auth_token and not hmac.compare_digest(hello.auth_token.encode(), cfg.auth_token.encode()):
             return grpc.StatusCode.UNAUTHENTICATED, "bad or missing auth token"
         if self._draining:
             return grpc.StatusCode.UNAVAILABLE, "prefill agent is draining"
         if d.role != pb.ROLE_DECODE or not d.engine_id or not d.incarnation or d.tp_size == 0:
             return grpc.StatusCode.INVALID_ARGUMENT, "hello needs a decode engine id, incarnation and TP size"
+        out_of_bounds = _hello_out_of_bounds(hello)
+        if out_of_bounds is not None:
+            return grpc.StatusCode.INVALID_ARGUMENT, out_of_bounds
+        # Refusals name what differs, never the values: no hash or incarnation goes to the peer.
         if hello.expected_prefill_engine_id and hello.expected_prefill_engine_id != me.engine_id:
-            return grpc.StatusCode.FAILED_PRECONDITION, (
-                f"this is prefill engine {me.engine_id!r}, not {hello.expected_prefill_engine_id!r}"
-            )
+            return grpc.StatusCode.FAILED_PRECONDITION, "the stream reached another prefill engine than expected"
         if hello.expected_prefill_incarnation and hello.expected_prefill_incarnation != me.incarnation:
-            return grpc.StatusCode.FAILED_PRECONDITION, (
-                f"prefill incarnation changed: expected {hello.expected_prefill_incarnation}, now {me.incarnation}"
-            )
+            log.debug("hello_incarnation_mismatch", expected=hello.expected_prefill_incarnation, own=me.incarnation)
+            return grpc.StatusCode.FAILED_PRECONDITION, "prefill incarnation changed since the assignment"
         if d.compatibility_hash != me.compatibility_hash:
+            log.debug("hello_hash_mismatch", peer_hash=d.compatibility_hash, own_hash=me.compatibility_hash)
             return grpc.StatusCode.FAILED_PRECONDITION, (
-                f"incompatible KV layout: hash {d.compatibility_hash!r} != {me.compatibility_hash!r}"
+                "incompatible KV layout (model, dtype, layers, heads, head or block size differ)"
             )
         if [r.tp_rank for r in hello.decode_ranks] != list(range(d.tp_size)):
             return grpc.StatusCode.INVALID_ARGUMENT, f"hello must carry decode ranks 0..{d.tp_size - 1} in order"
@@ -233,12 +328,17 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             log.warning("stream_refused", reason="first message is not a Hello")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Hello")
         hello = first.hello
-        problem = self._check_hello(hello)
+        problem = self._check_hello(hello, peer_identity(context))
         if problem is not None:
-            log.warning("stream_refused", decode_engine=hello.decode.engine_id, code=problem[0].name, reason=problem[1])
+            log.warning(
+                "stream_refused",
+                decode_engine=hello.decode.engine_id[: limits.MAX_ID_CHARS],
+                code=problem[0].name,
+                reason=problem[1],
+            )
             await context.abort(*problem)
         loop = asyncio.get_running_loop()
-        outbox: asyncio.Queue[pb.PrefillMessage | _Close] = asyncio.Queue()
+        outbox = _Outbox(self.config.outbox_depth)
         # One key per stream: a reconnect of the same incarnation must not be torn down by the
         # clean-up of the stream it replaces.
         key = f"{hello.decode.engine_id}/{hello.decode.incarnation}/{next(self._streams)}"
@@ -246,32 +346,41 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             key=key,
             identity=hello.decode,
             layouts=list(hello.decode_ranks),
-            send=lambda msg: loop.call_soon_threadsafe(outbox.put_nowait, msg),
-            close=lambda reason: loop.call_soon_threadsafe(outbox.put_nowait, _Close(reason)),
+            send=lambda msg: loop.call_soon_threadsafe(outbox.put, msg),
+            close=lambda reason: loop.call_soon_threadsafe(outbox.end, grpc.StatusCode.FAILED_PRECONDITION, reason),
         )
         try:
             await asyncio.wrap_future(self.writer.connect(session))
         except Exception as exc:
-            log.warning("stream_refused", decode_engine=hello.decode.engine_id, reason=str(exc))
+            log.warning("stream_refused", decode_engine=hello.decode.engine_id[: limits.MAX_ID_CHARS], reason=str(exc))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         await context.write(
             pb.PrefillMessage(hello_ack=pb.HelloAck(prefill=self.identity, prefill_rank=self.config.rank))
         )
         reader = asyncio.create_task(self._read(request_iterator, session))
-        getter: asyncio.Task[pb.PrefillMessage | _Close] | None = None
+        ended = asyncio.create_task(outbox.ended.wait())
+        getter: asyncio.Task[pb.PrefillMessage] | None = None
         try:
             while True:
-                getter = asyncio.create_task(outbox.get())
-                done, _ = await asyncio.wait({getter, reader}, return_when=asyncio.FIRST_COMPLETED)
+                getter = asyncio.create_task(outbox.queue.get())
+                done, _ = await asyncio.wait({getter, reader, ended}, return_when=asyncio.FIRST_COMPLETED)
+                if ended in done:
+                    break
                 if getter not in done:
                     return
-                msg = getter.result()
-                if isinstance(msg, _Close):
-                    await context.abort(grpc.StatusCode.FAILED_PRECONDITION, msg.reason)
-                await context.write(msg)
+                # A write waits for the peer to read (flow control); the outbox may overflow meanwhile.
+                write = asyncio.create_task(context.write(getter.result()))
+                done, _ = await asyncio.wait({write, ended}, return_when=asyncio.FIRST_COMPLETED)
+                if write not in done:
+                    write.cancel()
+                    break
+                write.result()
+            log.warning("stream_closed", peer=key, code=outbox.code.name, reason=outbox.reason)
+            await context.abort(outbox.code, outbox.reason)
         finally:
             if getter is not None:
                 getter.cancel()
+            ended.cancel()
             reader.cancel()
             self.writer.disconnect(key)
 
@@ -282,7 +391,10 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
                 if kind == "reservation":
                     self._on_reservation(msg.reservation, session)
                 elif kind == "cancel":
-                    self.writer.cancel(session.key, msg.cancel.transfer_id, msg.cancel.epoch)
+                    # Scoped to this stream's engine: another engine's transfer is out of reach.
+                    self.writer.cancel(
+                        session.key, session.identity.engine_id, msg.cancel.transfer_id, msg.cancel.epoch
+                    )
                 elif kind == "drain":
                     log.info("peer_draining", peer=session.key, reason=msg.drain.reason)
                 else:
@@ -300,12 +412,17 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             problem = "reservation epoch must be positive"
         elif r.num_tokens == 0 or not r.block_ids:
             problem = "reservation needs num_tokens and block ids"
+        else:
+            problem = _reservation_out_of_bounds(r)
         if problem is not None:
-            log.warning("reservation_rejected", transfer_id=r.transfer_id, code="INVALID_ARGUMENT", reason=problem)
+            tid = r.transfer_id[: limits.MAX_ID_CHARS]
+            log.warning(
+                "reservation_rejected", transfer_id=tid, peer=session.key, code="INVALID_ARGUMENT", reason=problem
+            )
             session.send(
                 pb.PrefillMessage(
                     rejected=pb.ReservationRejected(
-                        transfer_id=r.transfer_id,
+                        transfer_id=tid,
                         epoch=r.epoch,
                         code=grpc.StatusCode.INVALID_ARGUMENT.value[0],
                         message=problem,
@@ -323,5 +440,6 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
                 num_tokens=r.num_tokens,
                 num_skip_blocks=r.num_skip_blocks,
                 lease_s=lease_s,
+                decode_engine=session.identity.engine_id,
             )
         )

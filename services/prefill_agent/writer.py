@@ -23,6 +23,7 @@ from kvpush.v1 import kvpush_pb2 as pb
 from services.common.layout import RankRegions, regions_of
 from services.common.logs import get_logger
 from services.common.nixl_engine import NixlEngine, NixlError
+from services.common.refusal import RefusalCode
 from services.common.tp import HeadSlice, slices_from_prefill_rank
 from services.prefill_agent import metrics
 from services.prefill_agent.plan import PlanError, WritePlan, check_block_ids, plan_writes
@@ -84,12 +85,14 @@ class _Done:
 
 @dataclass(frozen=True)
 class _Aborted:
+    decode_engine: str
     transfer_id: str
 
 
 @dataclass(frozen=True)
 class _Cancel:
     peer: str
+    decode_engine: str  # the engine of the stream the Cancel came on
     transfer_id: str
     epoch: int
 
@@ -176,12 +179,14 @@ class PushWriter:
         """Called from the engine loop when the transfer's KV is computed; never blocks."""
         self._inbox.put(_Done(done))
 
-    def prefill_aborted(self, transfer_id: str) -> None:
+    def prefill_aborted(self, decode_engine: str, transfer_id: str) -> None:
         """The prefill request ended without computing its KV (abort, error)."""
-        self._inbox.put(_Aborted(transfer_id))
+        self._inbox.put(_Aborted(decode_engine, transfer_id))
 
-    def cancel(self, peer: str, transfer_id: str, epoch: int) -> None:
-        self._inbox.put(_Cancel(peer, transfer_id, epoch))
+    def cancel(self, peer: str, decode_engine: str, transfer_id: str, epoch: int) -> None:
+        """A Cancel from the stream ``peer`` of ``decode_engine``; it reaches that engine's
+        transfer ``transfer_id`` only."""
+        self._inbox.put(_Cancel(peer, decode_engine, transfer_id, epoch))
 
     def broadcast(self, msg: pb.PrefillMessage) -> None:
         """Sends ``msg`` on every connected decode engine's stream."""
@@ -233,16 +238,18 @@ class PushWriter:
             res = event.reservation
             problem = self._validate(res)
             if problem is not None:
-                self._execute([Reject(res.peer, res.transfer_id, res.epoch, grpc.StatusCode.INVALID_ARGUMENT, problem)])
+                self._execute([Reject(res.peer, res.transfer_id, res.epoch, RefusalCode.INVALID_ARGUMENT, problem)])
                 return
             self._execute(self.table.on_reservation(res, now))
         elif isinstance(event, _Done):
             self._execute(self.table.on_prefill_done(event.done, now))
         elif isinstance(event, _Aborted):
-            self._execute(self.table.on_prefill_aborted(event.transfer_id, now))
+            self._execute(self.table.on_prefill_aborted(event.decode_engine, event.transfer_id, now))
         elif isinstance(event, _Cancel):
-            log.info("cancel_received", transfer_id=event.transfer_id, epoch=event.epoch)
-            self._execute(self.table.on_cancel(event.peer, event.transfer_id, event.epoch, now))
+            log.info(
+                "cancel_received", transfer_id=event.transfer_id, epoch=event.epoch, decode_engine=event.decode_engine
+            )
+            self._execute(self.table.on_cancel(event.peer, event.decode_engine, event.transfer_id, event.epoch, now))
         elif isinstance(event, _Connect):
             try:
                 self._connect(event.session)
@@ -260,11 +267,16 @@ class PushWriter:
     def _validate(self, res: Reservation) -> str | None:
         session = self._sessions.get(res.peer)
         if session is None:
-            return f"no session for peer {res.peer}"
+            return "the stream's session is gone"
+        if session.identity.engine_id != res.decode_engine:
+            return "reservation does not belong to this stream's decode engine"
         for s in session.slices:
             dst = session.regions[s.decode_rank]
             try:
                 for g, ids in enumerate(res.block_ids):
+                    held = min((r.num_blocks for r in dst.regions if r.group == g), default=0)
+                    if len(ids) > held:
+                        return f"group {g} lists {len(ids)} block ids; decode rank {s.decode_rank} holds {held}"
                     check_block_ids(ids, dst.regions, g, f"decode rank {s.decode_rank}")
             except PlanError as exc:
                 return str(exc)
@@ -323,7 +335,8 @@ class PushWriter:
             if isinstance(action, StartWrite):
                 self._write(action)
             elif isinstance(action, Reject):
-                metrics.REJECTED.labels(code=action.code.name).inc()
+                code = grpc.StatusCode[action.code.name]  # the pure table's code, as gRPC's
+                metrics.REJECTED.labels(code=code.name).inc()
                 log.warning(
                     "reservation_rejected",
                     transfer_id=action.transfer_id,
@@ -337,7 +350,7 @@ class PushWriter:
                         rejected=pb.ReservationRejected(
                             transfer_id=action.transfer_id,
                             epoch=action.epoch,
-                            code=action.code.value[0],
+                            code=code.value[0],
                             message=action.message,
                         )
                     ),
@@ -369,7 +382,7 @@ class PushWriter:
         if session is None:
             reason = "decode stream lost before the write"
             log.warning("write_skipped", transfer_id=tid, reason=reason)
-            self._execute(self.table.on_write_finished(tid, res.epoch, False, reason, self.clock()))
+            self._execute(self.table.on_write_finished(res.decode_engine, tid, res.epoch, False, reason, self.clock()))
             return
         w = _Write(action, session, started=self.clock())
         for s in session.slices:
@@ -467,5 +480,5 @@ class PushWriter:
         if not ok:
             # Tell the decode agent at once so it fences the other prefill ranks now, instead of
             # its rank barriers waiting for every rank to report.
-            self._execute([Reject(res.peer, tid, res.epoch, grpc.StatusCode.ABORTED, f"WRITE failed: {reason}")])
-        self._execute(self.table.on_write_finished(tid, res.epoch, ok, reason, self.clock()))
+            self._execute([Reject(res.peer, tid, res.epoch, RefusalCode.ABORTED, f"WRITE failed: {reason}")])
+        self._execute(self.table.on_write_finished(res.decode_engine, tid, res.epoch, ok, reason, self.clock()))

@@ -10,6 +10,7 @@ from google.protobuf import struct_pb2
 
 from kvpush.v1 import kvpush_pb2 as pb
 from services.common import transfer_params
+from services.common.leg_signing import LegSigner
 from services.scheduler.errors import InvalidArgument
 from services.scheduler.model import (
     AssignmentRecord,
@@ -115,22 +116,32 @@ def outcome_from_pb(value: int) -> Outcome:
     return outcome
 
 
-def leg_params(rec: AssignmentRecord) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The kv_transfer_params dicts of the prefill and decode legs (shared contract, to_params)."""
-    prefill = transfer_params.to_params(
-        transfer_params.PrefillLeg(transfer_id=rec.transfer_id, decode_engine_id=rec.decode.engine_id)
-    )
-    template = _decode_template(rec.prefill)[0]
-    decode = {
-        transfer_params.KEY: {**template[transfer_params.KEY], "transfer_id": rec.transfer_id, "epoch": rec.epoch}
-    }
+def leg_params(rec: AssignmentRecord, signer: LegSigner | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The kv_transfer_params dicts of the prefill and decode legs (shared contract, to_params),
+    signed by ``signer`` when given."""
+    prefill, decode = _leg_fields(rec, signer)
+    return {transfer_params.KEY: prefill}, {transfer_params.KEY: decode}
+
+
+def _leg_fields(rec: AssignmentRecord, signer: LegSigner | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both legs' fields: the cached templates patched with this assignment's transfer id and epoch,
+    then, with a signer, the expiry and each leg's signature (over every field but ``sig``)."""
+    key = transfer_params.KEY
+    per_assignment = {"transfer_id": rec.transfer_id, "epoch": rec.epoch}
+    prefill = {**_prefill_template(rec.decode, rec.prefill.engine_id)[0][key], **per_assignment}
+    decode = {**_decode_template(rec.prefill, rec.decode.engine_id)[0][key], **per_assignment}
+    if signer is not None:
+        expires_at = signer.expiry()
+        signer.seal(prefill, expires_at)
+        signer.seal(decode, expires_at)
     return prefill, decode
 
 
 @functools.lru_cache(maxsize=4096)
-def _decode_template(prefill: InstanceSpec) -> tuple[dict[str, Any], struct_pb2.Struct]:
-    """The decode leg for one prefill instance with a blank transfer id and epoch, as a dict and as
-    a Struct: only those two fields differ between assignments, so the hot path copies and patches."""
+def _decode_template(prefill: InstanceSpec, decode_engine_id: str) -> tuple[dict[str, Any], struct_pb2.Struct]:
+    """The decode leg for one (prefill instance, decode engine) with a blank transfer id, epoch and
+    signature, as a dict and as a Struct: only those fields differ between assignments, so the hot
+    path copies and patches."""
     extra: dict[str, Any] = {}
     if "prefill_rank_incarnations" in _DECODE_LEG_FIELDS:
         extra["prefill_rank_incarnations"] = list(prefill.agent_incarnations)
@@ -142,6 +153,7 @@ def _decode_template(prefill: InstanceSpec) -> tuple[dict[str, Any], struct_pb2.
             prefill_incarnation=prefill.incarnation,
             prefill_tp_size=prefill.tp_size,
             prefill_agent_endpoints=list(prefill.agent_endpoints),
+            decode_engine_id=decode_engine_id,
             **extra,
         )
     )
@@ -149,10 +161,13 @@ def _decode_template(prefill: InstanceSpec) -> tuple[dict[str, Any], struct_pb2.
 
 
 @functools.lru_cache(maxsize=4096)
-def _prefill_template(decode: InstanceSpec) -> struct_pb2.Struct:
-    return _struct(
-        transfer_params.to_params(transfer_params.PrefillLeg(transfer_id="", decode_engine_id=decode.engine_id))
+def _prefill_template(decode: InstanceSpec, prefill_engine_id: str) -> tuple[dict[str, Any], struct_pb2.Struct]:
+    params = transfer_params.to_params(
+        transfer_params.PrefillLeg(
+            transfer_id="", decode_engine_id=decode.engine_id, prefill_engine_id=prefill_engine_id
+        )
     )
+    return params, _struct(params)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -166,16 +181,23 @@ def _struct(d: dict[str, Any]) -> struct_pb2.Struct:
     return s
 
 
-def assignment_to_pb(rec: AssignmentRecord) -> pb.Assignment:
+def assignment_to_pb(rec: AssignmentRecord, signer: LegSigner | None = None) -> pb.Assignment:
     a = pb.Assignment(transfer_id=rec.transfer_id, epoch=rec.epoch)
     a.prefill.CopyFrom(_info(rec.prefill))
     a.decode.CopyFrom(_info(rec.decode))
-    a.prefill_kv_transfer_params.CopyFrom(_prefill_template(rec.decode))
-    a.prefill_kv_transfer_params.fields[transfer_params.KEY].struct_value.fields[
-        "transfer_id"
-    ].string_value = rec.transfer_id
-    a.decode_kv_transfer_params.CopyFrom(_decode_template(rec.prefill)[1])
-    decode = a.decode_kv_transfer_params.fields[transfer_params.KEY].struct_value.fields
-    decode["transfer_id"].string_value = rec.transfer_id
-    decode["epoch"].number_value = rec.epoch  # exact: epochs stay below 2**53
+    key = transfer_params.KEY
+    a.prefill_kv_transfer_params.CopyFrom(_prefill_template(rec.decode, rec.prefill.engine_id)[1])
+    a.decode_kv_transfer_params.CopyFrom(_decode_template(rec.prefill, rec.decode.engine_id)[1])
+    prefill = a.prefill_kv_transfer_params.fields[key].struct_value.fields
+    decode = a.decode_kv_transfer_params.fields[key].struct_value.fields
+    for leg in (prefill, decode):
+        leg["transfer_id"].string_value = rec.transfer_id
+        leg["epoch"].number_value = rec.epoch  # exact: epochs stay below 2**53
+    if signer is not None:
+        # Signed over the same fields as leg_params; the connector normalises the Struct's doubles
+        # back to ints before it checks, so the signature covers values, not their encoding.
+        signed_prefill, signed_decode = _leg_fields(rec, signer)
+        for leg, signed in ((prefill, signed_prefill), (decode, signed_decode)):
+            leg["expires_at"].number_value = signed["expires_at"]
+            leg["sig"].string_value = signed["sig"]
     return a

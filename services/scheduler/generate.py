@@ -14,6 +14,7 @@ from typing import Any
 
 import aiohttp
 
+from services.common.leg_signing import LegSigner
 from services.scheduler.convert import leg_params
 from services.scheduler.model import AssignmentRecord
 
@@ -168,11 +169,16 @@ def _parse_chunk(url: str, data: bytes) -> Chunk:
 
 
 async def run_legs(
-    client: OpenAIClient, rec: AssignmentRecord, p: GenerateParams, lost: asyncio.Future[str]
+    client: OpenAIClient,
+    rec: AssignmentRecord,
+    p: GenerateParams,
+    lost: asyncio.Future[str],
+    signer: LegSigner | None = None,
 ) -> AsyncIterator[Chunk]:
-    """Sends both legs at once and yields the decode chunks. Raises LegError when either leg fails,
-    AssignmentLost when ``lost`` resolves first. Leaving early (cancel, error) aborts both legs."""
-    prefill_params, decode_params = leg_params(rec)
+    """Sends both legs at once (signed by ``signer`` when given) and yields the decode chunks. Raises
+    LegError when either leg fails, AssignmentLost when ``lost`` resolves first. Leaving early
+    (cancel, error) aborts both legs."""
+    prefill_params, decode_params = leg_params(rec, signer)
     q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
     async def decode_leg() -> None:

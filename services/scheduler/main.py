@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import sdnotify
 
 from services.common import logs
+from services.common.leg_signing import LegSigner
+from services.common.security import Security, SecurityError, TlsFiles
 from services.scheduler.policy import DECODE_POLICIES
 from services.scheduler.registry import LeaseConfig
 from services.scheduler.server import SchedulerConfig, SchedulerServer
@@ -86,6 +88,36 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=float(_env("GRACE_S", "30")),
         help="on SIGTERM/SIGINT, how long in-flight Generate calls may finish",
     )
+    p.add_argument(
+        "--leg-signing-key",
+        default=_env("LEG_SIGNING_KEY", ""),
+        metavar="FILE",
+        help="Ed25519 private key (PEM) that signs every kv_transfer_params leg; connectors verify with the "
+        "public key (python -m services.common.leg_signing keygen DIR). Required unless --insecure",
+    )
+    p.add_argument(
+        "--leg-ttl-s",
+        type=float,
+        default=float(_env("LEG_TTL_S", "60")),
+        help="a signed leg is refused this long after it was minted (plus the connectors' clock skew allowance)",
+    )
+    p.add_argument(
+        "--tls-ca", default=_env("TLS_CA", ""), metavar="FILE", help="PEM CA that signs every peer's certificate"
+    )
+    p.add_argument(
+        "--tls-cert",
+        default=_env("TLS_CERT", ""),
+        metavar="FILE",
+        help="the scheduler's PEM certificate (URI SAN spiffe://kvpush/scheduler/scheduler); `make certs` makes a dev set",
+    )
+    p.add_argument("--tls-key", default=_env("TLS_KEY", ""), metavar="FILE", help="its PEM private key")
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=_env("INSECURE", "0").lower() in ("1", "true", "yes"),
+        help="development only: without --tls-* serve plaintext gRPC (no client authentication, logged), "
+        "and without --leg-signing-key send legs unsigned",
+    )
     p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
     p.add_argument(
         "--log-json",
@@ -98,7 +130,47 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("lease_interval_ms", "lease_misses", "max_queued"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not args.leg_ttl_s > 0:
+        p.error("--leg-ttl-s must be > 0")
     return args
+
+
+def leg_signer_from_args(args: argparse.Namespace) -> LegSigner | None:
+    """The signer of ``--leg-signing-key``; None only with ``--insecure``. Exits with a message when
+    neither is given or the key cannot be loaded: a scheduler must not mint unsigned legs by accident."""
+    if args.leg_signing_key:
+        try:
+            return LegSigner.from_file(args.leg_signing_key, ttl_s=args.leg_ttl_s)
+        except ValueError as exc:
+            raise SystemExit(f"kvpush-scheduler: {exc}") from exc
+    if not args.insecure:
+        raise SystemExit(
+            f"kvpush-scheduler: refusing to start without --leg-signing-key ({ENV_PREFIX}LEG_SIGNING_KEY): "
+            "connectors verify every kv_transfer_params leg with its public key. Make a pair with "
+            "`python -m services.common.leg_signing keygen DIR`, or pass --insecure for unsigned legs"
+        )
+    return None
+
+
+def security_from_args(args: argparse.Namespace) -> Security:
+    """mTLS from ``--tls-ca/--tls-cert/--tls-key``; plaintext only with ``--insecure`` and none of them.
+    Exits with a message otherwise, or when a file cannot be read."""
+    files = {"--tls-ca": args.tls_ca, "--tls-cert": args.tls_cert, "--tls-key": args.tls_key}
+    given = [flag for flag, path in files.items() if path]
+    if not given and args.insecure:
+        return Security.insecure("scheduler")
+    if len(given) != len(files):
+        missing = ", ".join(
+            f"{flag} ({ENV_PREFIX}{flag[2:].replace('-', '_').upper()})" for flag in files if not files[flag]
+        )
+        raise SystemExit(
+            f"kvpush-scheduler: refusing to start without mutual TLS: missing {missing}. "
+            "`make certs` makes a development set; --insecure serves plaintext gRPC"
+        )
+    try:
+        return Security.mtls(TlsFiles(args.tls_ca, args.tls_cert, args.tls_key), component="scheduler")
+    except SecurityError as exc:
+        raise SystemExit(f"kvpush-scheduler: {exc}") from exc
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
@@ -114,6 +186,8 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         servicer=ServicerConfig(max_queue_s=args.max_queue_s, max_queued=args.max_queued),
         model=args.model,
         http_read_timeout_s=args.http_read_timeout_s,
+        leg_signer=leg_signer_from_args(args),
+        security=security_from_args(args),
         readiness_probe=bool(args.readiness_probe),
     )
 

@@ -6,6 +6,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from services.common import limits
+
 
 class Role(enum.Enum):
     PREFILL = "prefill"
@@ -56,6 +58,12 @@ class InstanceSpec:
             raise ValueError("instance.incarnation is required")
         if self.tp_size < 1:
             raise ValueError("instance.tp_size must be >= 1")
+        if self.tp_size > limits.MAX_TP:
+            raise ValueError(f"instance.tp_size must be <= {limits.MAX_TP}")
+        if max(len(self.engine_id), len(self.incarnation), *map(len, self.agent_incarnations)) > limits.MAX_ID_CHARS:
+            raise ValueError(f"instance ids and incarnations are at most {limits.MAX_ID_CHARS} characters")
+        if any(len(e) > limits.MAX_ENDPOINT_CHARS for e in (self.http_endpoint, *self.agent_endpoints)):
+            raise ValueError(f"instance endpoints are at most {limits.MAX_ENDPOINT_CHARS} characters")
         if len(self.agent_endpoints) != self.tp_size:
             raise ValueError(
                 f"instance.agent_endpoints has {len(self.agent_endpoints)} entries, tp_size is {self.tp_size}"

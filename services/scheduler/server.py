@@ -12,7 +12,9 @@ from grpc_health.v1 import health_pb2
 
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, service_name
+from services.common.leg_signing import LegSigner
 from services.common.logs import get_logger
+from services.common.security import SCHEDULER_POLICY, Security
 from services.scheduler.generate import OpenAIClient
 from services.scheduler.metrics import Metrics
 from services.scheduler.policy import LeastBusy, decode_policy
@@ -31,6 +33,12 @@ class SchedulerConfig:
     servicer: ServicerConfig = field(default_factory=ServicerConfig)
     model: str = ""  # served model name for Generate; empty: first entry of GET /v1/models
     http_read_timeout_s: float = 600.0
+    # mTLS with per-method roles (services/common/security.py); None: plaintext (library and test
+    # use, logged). The CLI requires TLS files or an explicit --insecure.
+    security: Security | None = None
+    # Signs both kv_transfer_params legs of every assignment (connectors verify them with the public
+    # key). None (library and test use): unsigned legs, which connectors accept only with insecure=true.
+    leg_signer: LegSigner | None = None
     # Probe each instance's OpenAI server: assignable only once GET /health answers 200.
     readiness_probe: bool = False
 
@@ -49,10 +57,17 @@ class SchedulerServer:
         )
         self.metrics = Metrics(self.registry)
         self.client = OpenAIClient(model=config.model, read_timeout_s=config.http_read_timeout_s)
-        self.servicer = SchedulerServicer(self.registry, self.metrics, self.client, config.servicer)
+        self.servicer = SchedulerServicer(
+            self.registry, self.metrics, self.client, config.servicer, signer=config.leg_signer
+        )
         # The shared health servicer is a sync one; the executor runs it next to the aio handlers.
         self._executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="sched-health")
-        self.server = grpc.aio.server(options=SERVER_OPTIONS, migration_thread_pool=self._executor)
+        self.security = config.security or Security.insecure("scheduler")
+        self.server = grpc.aio.server(
+            options=SERVER_OPTIONS,
+            migration_thread_pool=self._executor,
+            interceptors=self.security.interceptors(SCHEDULER_POLICY),
+        )
         pb_grpc.add_SchedulerServicer_to_server(self.servicer, self.server)
         self.health = add_health_and_reflection(self.server, ["Scheduler"])
         self.port = 0
@@ -66,7 +81,7 @@ class SchedulerServer:
         return f"{host}:{self.port}"
 
     async def start(self) -> None:
-        self.port = self.server.add_insecure_port(self.config.listen)
+        self.port = self.security.add_port(self.server, self.config.listen)
         if self.port == 0:
             raise RuntimeError(f"could not bind {self.config.listen}")
         await self.server.start()
@@ -79,6 +94,7 @@ class SchedulerServer:
             lease_interval_s=self.config.lease.interval_s,
             lease_misses=self.config.lease.misses,
             decode_policy=self.config.decode_policy,
+            mtls=self.security.secure,
         )
 
     async def _sweep(self) -> None:

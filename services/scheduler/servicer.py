@@ -12,7 +12,10 @@ import grpc
 
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from services.common import limits
+from services.common.leg_signing import LegSigner
 from services.common.logs import get_logger
+from services.common.security import ROLE_NAMES, claim_problem, peer_identity
 from services.scheduler import convert
 from services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound, SchedulerError
 from services.scheduler.generate import AssignmentLost, GenerateParams, LegError, OpenAIClient, run_legs
@@ -26,7 +29,7 @@ _CODES: dict[type[SchedulerError], grpc.StatusCode] = {
     FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
     NoCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
-_MAX_PROMPT_TOKENS = 1 << 22
+_MAX_PROMPT_TOKENS = limits.MAX_PROMPT_TOKENS
 
 
 class ShuttingDown(NoCapacity):
@@ -40,6 +43,9 @@ class ServicerConfig:
     max_queued: int = 1024  # Assign calls waiting for capacity at once
     deadline_margin_s: float = 0.02  # answer RESOURCE_EXHAUSTED this long before the caller's deadline
     watch_queue: int = 4096  # events buffered per Watch subscriber before it is cut off
+    max_watch_subscribers: int = limits.MAX_WATCH_SUBSCRIBERS  # Watch streams at once
+    max_generate: int = limits.MAX_CONCURRENT_GENERATE  # Generate calls in flight at once
+    max_instances: int = limits.MAX_INSTANCES  # registered instances
 
 
 class _Signal:
@@ -78,6 +84,16 @@ class _Subscriber:
             self.queue.put_nowait(None)
 
 
+def _assign_out_of_bounds(request: pb.AssignRequest) -> str | None:
+    if request.max_tokens > limits.MAX_MAX_TOKENS:
+        return f"max_tokens above {limits.MAX_MAX_TOKENS}"
+    if len(request.transfer_id) > limits.MAX_ID_CHARS:
+        return f"transfer_id longer than {limits.MAX_ID_CHARS} characters"
+    if len(request.prefix_hint) > limits.MAX_PREFIX_HINT_CHARS:
+        return f"prefix_hint longer than {limits.MAX_PREFIX_HINT_CHARS} characters"
+    return None
+
+
 def _cause(event: Event) -> str:
     if event.reason.startswith("lease expired"):
         return "lease"
@@ -93,8 +109,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         metrics: Metrics,
         client: OpenAIClient | None = None,
         config: ServicerConfig | None = None,
+        signer: LegSigner | None = None,
     ) -> None:
         self.registry = registry
+        self.signer = signer  # signs both legs of every assignment; None: unsigned legs (insecure)
         self.metrics = metrics
         self.client = client or OpenAIClient()
         self.config = config or ServicerConfig()
@@ -103,6 +121,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._changed = _Signal()
         self._queued = 0
         self._inflight = 0
+        self._generating = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._subscribers: set[_Subscriber] = set()
@@ -147,6 +166,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         if isinstance(exc, ShuttingDown):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         await context.abort(_CODES.get(type(exc), grpc.StatusCode.INTERNAL), str(exc))
+        raise AssertionError("unreachable")
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, method: str, code: grpc.StatusCode, reason: str
+    ) -> NoReturn:
+        """A request out of bounds (services/common/limits.py): one warning line, then the status."""
+        self.log.warning("request_refused", method=method, code=code.name, reason=reason)
+        await context.abort(code, reason)
         raise AssertionError("unreachable")
 
     def _begin(self) -> None:
@@ -218,6 +245,21 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     # ---------------------------------------------------------------- registry RPCs
 
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
+        # mTLS: an engine registers only as itself, in its certificate's role.
+        inst = request.instance
+        not_peer = claim_problem(peer_identity(context), inst.engine_id, ROLE_NAMES.get(inst.role, "unspecified"))
+        if not_peer is not None:
+            self.log.warning("register_refused", engine_id=inst.engine_id, reason=not_peer)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, not_peer)
+        if inst.tp_size > limits.MAX_TP:  # before anything is sized by it
+            await self._refuse(context, "Register", grpc.StatusCode.INVALID_ARGUMENT, f"tp_size above {limits.MAX_TP}")
+        if inst.engine_id not in self.registry.instances and len(self.registry.instances) >= self.config.max_instances:
+            await self._refuse(
+                context,
+                "Register",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.config.max_instances} instances are registered already",
+            )
         try:
             self.registry.register(convert.spec_from_pb(request.instance))
         except SchedulerError as exc:
@@ -231,8 +273,19 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         ident: tuple[str, str] | None = None
         clean = False
         draining = False
+        peer = peer_identity(context)
         try:
             async for report in request_iterator:
+                # mTLS: an engine reports only in its own name (checked before the stream is taken
+                # as that engine's, whose loss would end its lease).
+                not_peer = claim_problem(peer, report.engine_id)
+                if not_peer is not None:
+                    self.log.warning("load_report_refused", engine_id=report.engine_id, reason=not_peer)
+                    await context.abort(grpc.StatusCode.PERMISSION_DENIED, not_peer)
+                if max(len(report.engine_id), len(report.incarnation)) > limits.MAX_ID_CHARS:
+                    await self._refuse(
+                        context, "ReportLoad", grpc.StatusCode.INVALID_ARGUMENT, "engine id or incarnation too long"
+                    )
                 key = (report.engine_id, report.incarnation)
                 if ident is None:
                     ident = key
@@ -263,6 +316,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.InstanceEvent]:
+        if len(self._subscribers) >= self.config.max_watch_subscribers:
+            await self._refuse(
+                context,
+                "Watch",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.config.max_watch_subscribers} Watch streams are open already",
+            )
         sub = _Subscriber(self.config.watch_queue)
         self._subscribers.add(sub)
         try:
@@ -289,6 +349,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         try:
             if request.prompt_tokens > _MAX_PROMPT_TOKENS:
                 raise InvalidArgument(f"prompt_tokens {request.prompt_tokens} exceeds {_MAX_PROMPT_TOKENS}")
+            bound = _assign_out_of_bounds(request)
+            if bound is not None:
+                self.log.warning("request_refused", method="Assign", code="INVALID_ARGUMENT", reason=bound)
+                raise InvalidArgument(bound)
             demand = Demand(request.prompt_tokens, request.max_tokens, request.prefix_hint)
             rec = await self._admit(demand, request.transfer_id, context.time_remaining())
         except SchedulerError as exc:
@@ -308,19 +372,26 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             prefill=rec.prefill.engine_id,
             blocks=rec.decode_blocks,
         )
-        return convert.assignment_to_pb(rec)
+        return convert.assignment_to_pb(rec, self.signer)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         try:
             if not request.transfer_id:
                 raise InvalidArgument("transfer_id is required")
+            if len(request.transfer_id) > limits.MAX_ID_CHARS:
+                self.log.warning("request_refused", method="Release", code="INVALID_ARGUMENT", reason="long id")
+                raise InvalidArgument(f"transfer_id longer than {limits.MAX_ID_CHARS} characters")
             outcome = convert.outcome_from_pb(request.outcome)
-            rec = self.registry.release(request.transfer_id, request.epoch, outcome, request.reason)
+            rec = self.registry.release(request.transfer_id, request.epoch, outcome, limits.clip(request.reason))
         except SchedulerError as exc:
             await self._abort(context, exc)
         self.metrics.releases.labels(outcome.value).inc()
         self.log.debug(
-            "released", transfer_id=rec.transfer_id, outcome=outcome.value, state=rec.state.value, reason=request.reason
+            "released",
+            transfer_id=rec.transfer_id,
+            outcome=outcome.value,
+            state=rec.state.value,
+            reason=limits.clip(request.reason),
         )
         return pb.ReleaseResponse()
 
@@ -328,11 +399,21 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         t0 = time.perf_counter()
+        if self._generating >= self.config.max_generate:
+            self.metrics.generate.labels("rejected").inc()
+            await self._refuse(
+                context,
+                "Generate",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.config.max_generate} Generate calls are in flight already",
+            )
+        self._generating += 1
         self._begin()
         try:
             async for msg in self._generate(request, context, t0):
                 yield msg
         finally:
+            self._generating -= 1
             self._end()
 
     async def _generate(
@@ -345,6 +426,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 raise InvalidArgument(f"prompt has more than {_MAX_PROMPT_TOKENS} tokens")
             if request.max_tokens < 1:
                 raise InvalidArgument("max_tokens must be >= 1")
+            if request.max_tokens > limits.MAX_MAX_TOKENS or len(request.request_id) > limits.MAX_ID_CHARS:
+                bound = f"max_tokens above {limits.MAX_MAX_TOKENS} or request_id above {limits.MAX_ID_CHARS} characters"
+                self.log.warning("request_refused", method="Generate", code="INVALID_ARGUMENT", reason=bound)
+                raise InvalidArgument(bound)
             if not request.temperature >= 0.0:
                 raise InvalidArgument("temperature must be >= 0")
             demand = Demand(len(request.prompt_token_ids), request.max_tokens)
@@ -371,7 +456,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         outcome, reason, tokens = Outcome.FAILED, "", 0
         first = True
         try:
-            async for chunk in run_legs(self.client, rec, params, lost):
+            async for chunk in run_legs(self.client, rec, params, lost, self.signer):
                 msg = pb.GenerateResponse(
                     transfer_id=rec.transfer_id,
                     token_ids=chunk.token_ids,

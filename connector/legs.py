@@ -1,0 +1,111 @@
+"""The one place the connector's scheduler side reads a request's ``kv_transfer_params``.
+
+``LegGate.of(request)`` returns the request's leg only when it is well formed (``parse``), for this
+engine and role, and, with ``leg_public_key_file`` configured, signed by the scheduler and not
+expired. Anything else is refused: one ``leg_refused`` log line, one count in
+``kvpush_connector_legs_refused_total{role,reason}``, and the request is served as a plain instance
+would (decode computes the prompt locally, prefill pushes nothing). It never raises: vLLM calls the
+hooks from its engine loop, where an exception kills the EngineCore.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from prometheus_client import Counter
+
+from connector.config import ConfigError, ConnectorConfig
+from services.common.leg_signing import LegRefused, LegVerifier, check_leg
+from services.common.logs import get_logger
+from services.common.transfer_params import KEY, MAX_ID_CHARS, Leg, LegError, parse
+
+log = get_logger("connector.legs")
+
+REFUSED = Counter(
+    "kvpush_connector_legs_refused_total",
+    "Requests whose kvpush kv_transfer_params were refused (served as on a plain instance), by reason",
+    ["role", "reason"],
+)
+_CACHE_LIMIT = 1 << 16  # verified legs kept per engine; entries go when their request finishes
+
+
+def leg_verifier(cfg: ConnectorConfig) -> LegVerifier | None:
+    """The verifier of ``cfg.leg_public_key_file``; None with ``insecure=true`` and no key file.
+    Raises ConfigError at start-up when neither is configured or the key cannot be loaded."""
+    if cfg.leg_public_key_file:
+        try:
+            return LegVerifier.from_file(cfg.leg_public_key_file)
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config['leg_public_key_file']: {exc}") from exc
+    if not cfg.insecure:
+        raise ConfigError(
+            "KvPushConnector needs kv_connector_extra_config['leg_public_key_file'] (the scheduler's leg "
+            "signing public key, e.g. /etc/kvpush/leg-signing.pub) to verify kv_transfer_params; set "
+            "insecure=true to accept unsigned legs (development only)"
+        )
+    log.warning("legs_unverified", engine_id=cfg.engine_id, reason="insecure=true and no leg_public_key_file")
+    return None
+
+
+def _transfer_id_of(params: Any) -> str | None:
+    """The transfer id for the refusal log, only when it is a short string."""
+    try:
+        tid = params[KEY]["transfer_id"]
+    except Exception:  # hostile input: any shape at all
+        return None
+    return tid if isinstance(tid, str) and len(tid) <= MAX_ID_CHARS else None
+
+
+class LegGate:
+    """Parses and checks each request's leg once, and remembers the answer until ``forget``."""
+
+    def __init__(self, cfg: ConnectorConfig, verifier: LegVerifier | None = None, *, verify: bool = True) -> None:
+        self.engine_id = cfg.engine_id
+        self.role = cfg.role
+        self.verifier = leg_verifier(cfg) if verify and verifier is None else verifier
+        self._legs: dict[str, Leg | None] = {}
+
+    def of(self, request: Any) -> Leg | None:
+        """The request's checked leg, or None (no kvpush params, or refused). Never raises."""
+        try:
+            rid = request.request_id
+            if rid in self._legs:
+                return self._legs[rid]
+        except Exception:  # a request without a usable id: check it every time
+            rid = None
+        leg = self._check(request, rid)
+        if rid is not None:
+            if len(self._legs) >= _CACHE_LIMIT:
+                self._legs.clear()  # only a leak upstream gets here; checking again is safe
+            self._legs[rid] = leg
+        return leg
+
+    def forget(self, request_id: str) -> None:
+        self._legs.pop(request_id, None)
+
+    def _check(self, request: Any, rid: Any) -> Leg | None:
+        params: Any = None
+        try:
+            params = request.kv_transfer_params
+            leg = parse(params)
+            if leg is None:
+                return None
+            check_leg(leg, self.engine_id, self.role, self.verifier)
+            return leg
+        except LegRefused as exc:
+            reason, error = exc.reason, exc
+        except LegError as exc:
+            reason, error = "malformed", exc
+        except Exception as exc:  # never let a request's params reach the engine loop
+            reason, error = "internal_error", exc
+        with contextlib.suppress(Exception):  # nor the log line about them
+            REFUSED.labels(self.role, reason).inc()
+            log.warning(
+                "leg_refused",
+                request_id=rid if isinstance(rid, str) else None,
+                transfer_id=_transfer_id_of(params),
+                reason=reason,
+                detail=f"{type(error).__name__}: {error}"[:300],
+            )
+        return None

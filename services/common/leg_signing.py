@@ -1,0 +1,215 @@
+"""Scheduler-signed legs: Ed25519 over ``transfer_params.canonical_bytes``.
+
+The scheduler holds the private key (``LegSigner``) and signs both legs of every assignment; each
+connector holds the public key (``LegVerifier``) and refuses a leg that is unsigned, tampered with,
+expired or not for its engine before it dials or reserves anything (docs/security.md).
+
+Key files are PEM: PKCS#8 for the private key, SubjectPublicKeyInfo for the public key. Make a pair
+with ``python -m services.common.leg_signing keygen DIR`` (or ``write_keypair``; ``make certs``
+calls it): ``DIR/leg-signing.key`` (mode 0600) and ``DIR/leg-signing.pub``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import os
+import stat
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from services.common.logs import get_logger
+from services.common.transfer_params import DecodeLeg, Leg, LegError, PrefillLeg, canonical_bytes
+
+KEY_FILE = "leg-signing.key"
+PUB_FILE = "leg-signing.pub"
+DEFAULT_TTL_S = 60.0
+# A leg is accepted until expires_at + this: the scheduler's and the engines' clocks may differ by
+# this much (NTP keeps them far closer). A leg lives ttl + skew at most.
+DEFAULT_SKEW_S = 5.0
+
+log = get_logger("leg_signing")
+
+
+class LegRefused(LegError):
+    """A well-formed leg that must not be used. ``reason`` is a short label (metrics, logs):
+    ``unsigned``, ``bad_signature``, ``expired``, ``wrong_engine``, ``wrong_role``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+def _b64(sig: bytes) -> str:
+    return base64.urlsafe_b64encode(sig).rstrip(b"=").decode("ascii")
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+class LegSigner:
+    """Signs legs with the scheduler's private key. ``ttl_s``: how long a minted leg stays valid."""
+
+    def __init__(
+        self, private_key: Ed25519PrivateKey, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] = time.time
+    ) -> None:
+        if not ttl_s > 0:
+            raise ValueError(f"leg ttl must be > 0, got {ttl_s}")
+        self._key = private_key
+        self.ttl_s = ttl_s
+        self._clock = clock
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], ttl_s: float = DEFAULT_TTL_S) -> LegSigner:
+        """Loads a PEM (PKCS#8) Ed25519 private key. Raises ValueError with the file named."""
+        try:
+            data = Path(path).read_bytes()
+            mode = os.stat(path).st_mode
+            key = serialization.load_pem_private_key(data, password=None)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"leg signing key {path}: {exc}") from exc
+        if not isinstance(key, Ed25519PrivateKey):
+            raise ValueError(f"leg signing key {path}: not an Ed25519 private key")
+        if mode & (stat.S_IRWXG | stat.S_IRWXO) & ~stat.S_IRGRP:
+            log.warning("leg_signing_key_permissions", path=str(path), mode=oct(stat.S_IMODE(mode)))
+        return cls(key, ttl_s)
+
+    def expiry(self) -> float:
+        """``expires_at`` for a leg minted now (unix seconds, millisecond precision)."""
+        return round(self._clock() + self.ttl_s, 3)
+
+    def sign(self, fields: Mapping[str, Any]) -> str:
+        """The ``sig`` of a leg given as its fields (``asdict(leg)``, ``sig`` ignored)."""
+        return _b64(self._key.sign(canonical_bytes(fields)))
+
+    def seal(self, fields: dict[str, Any], expires_at: float | None = None) -> dict[str, Any]:
+        """Sets ``expires_at`` and ``sig`` of a leg's fields in place; returns them."""
+        fields["expires_at"] = self.expiry() if expires_at is None else expires_at
+        fields["sig"] = self.sign(fields)
+        return fields
+
+    def sign_leg(self, leg: Leg, expires_at: float | None = None) -> Leg:
+        """A signed copy of ``leg`` (tests and tools; the scheduler's hot path uses ``seal``)."""
+        fields = self.seal(asdict(leg), expires_at)
+        return type(leg)(**fields)
+
+    def public_key(self) -> Ed25519PublicKey:
+        return self._key.public_key()
+
+
+class LegVerifier:
+    """Verifies legs with the scheduler's public key."""
+
+    def __init__(
+        self, public_key: Ed25519PublicKey, skew_s: float = DEFAULT_SKEW_S, clock: Callable[[], float] = time.time
+    ) -> None:
+        self._key = public_key
+        self.skew_s = skew_s
+        self._clock = clock
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str], skew_s: float = DEFAULT_SKEW_S) -> LegVerifier:
+        """Loads a PEM (SubjectPublicKeyInfo) Ed25519 public key. Raises ValueError with the file named."""
+        try:
+            key = serialization.load_pem_public_key(Path(path).read_bytes())
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"leg public key {path}: {exc}") from exc
+        if not isinstance(key, Ed25519PublicKey):
+            raise ValueError(f"leg public key {path}: not an Ed25519 public key")
+        return cls(key, skew_s)
+
+    def verify(self, leg: Leg) -> None:
+        """Raises ``LegRefused`` unless ``leg`` carries a valid signature and has not expired."""
+        if not leg.sig:
+            raise LegRefused("unsigned", "the leg carries no signature")
+        try:
+            sig = _unb64(leg.sig)
+        except (binascii.Error, ValueError) as exc:
+            raise LegRefused("bad_signature", "the signature is not base64url") from exc
+        try:
+            self._key.verify(sig, canonical_bytes(asdict(leg)))
+        except InvalidSignature as exc:
+            raise LegRefused("bad_signature", "the signature does not match the leg") from exc
+        now = self._clock()
+        if leg.expires_at + self.skew_s < now:
+            raise LegRefused("expired", f"expired {now - leg.expires_at:.1f} s ago")
+
+
+def check_leg(leg: Leg, engine_id: str, role: str, verifier: LegVerifier | None) -> None:
+    """Everything a connector checks before acting on a parsed leg; raises ``LegRefused``.
+
+    ``role`` is this engine's (``prefill`` or ``decode``). With a verifier the leg must verify and
+    name this engine; without one (insecure mode) an engine id, when given, must still match.
+    """
+    if leg.role != role:
+        raise LegRefused("wrong_role", f"a {leg.role} leg sent to a {role} engine")
+    if verifier is not None:
+        verifier.verify(leg)
+    named = leg.decode_engine_id if isinstance(leg, DecodeLeg) else leg.prefill_engine_id
+    if (verifier is not None or named) and named != engine_id:
+        raise LegRefused("wrong_engine", f"the leg is for engine {named!r}, this is {engine_id!r}")
+    if verifier is not None and isinstance(leg, PrefillLeg) and leg.epoch < 1:
+        raise LegRefused("bad_signature", "a signed prefill leg must carry its epoch")
+
+
+def write_keypair(out_dir: str | os.PathLike[str], overwrite: bool = False) -> tuple[Path, Path]:
+    """Writes a new Ed25519 pair: ``out_dir/leg-signing.key`` (0600) and ``out_dir/leg-signing.pub``
+    (0644). Refuses to replace an existing key unless ``overwrite``. Returns (key path, pub path)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    key_path, pub_path = out / KEY_FILE, out / PUB_FILE
+    if not overwrite and (key_path.exists() or pub_path.exists()):
+        raise FileExistsError(f"{key_path} or {pub_path} exists (overwrite=True / --force to replace)")
+    key = Ed25519PrivateKey.generate()
+    private_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    public_pem = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    _write(key_path, private_pem, 0o600)
+    _write(pub_path, public_pem, 0o644)
+    return key_path, pub_path
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)  # O_CREAT's mode is masked by the umask, and a stale tmp keeps its own
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m services.common.leg_signing", description="Ed25519 key pair for scheduler-signed legs"
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    keygen = sub.add_parser("keygen", help=f"write DIR/{KEY_FILE} (0600) and DIR/{PUB_FILE}")
+    keygen.add_argument("dir")
+    keygen.add_argument("--force", action="store_true", help="replace an existing pair")
+    args = p.parse_args(argv)
+    try:
+        key_path, pub_path = write_keypair(args.dir, overwrite=args.force)
+    except FileExistsError as exc:
+        p.exit(1, f"keygen: {exc}\n")
+    sys.stdout.write(f"{key_path}\n{pub_path}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
