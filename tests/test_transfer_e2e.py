@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -395,6 +396,39 @@ def test_frozen_target_write_is_torn_down_and_never_lands_late(monkeypatch: pyte
         assert c.decode.call("verify", [([1], [3])]) == []
         assert len(c.decode.call("zero_blocks", ids, timeout=60)) == len(ids)
     finally:
+        c.stop()
+
+
+def test_cut_control_path_stops_writes_by_the_lease() -> None:
+    """The gRPC path between decode and prefill is partitioned (a relay stops forwarding, both
+    sockets stay open) while NIXL still works. Before either side's keepalive notices, the
+    prefill rank's write lease runs out, so the KV computed afterwards is never written; decode
+    fails the transfer once the stream is declared lost and its fence bound passed."""
+    from tests.tcp_relay import TcpRelay
+
+    c = start_cluster(1, 1, tag="cut")
+    host, port = c.prefill[0].info["endpoint"].rsplit(":", 1)
+    relay = TcpRelay(host, int(port)).start()
+    try:
+        tid = "cut"
+        leg = {**c.leg(tid), "prefill_agent_endpoints": [relay.address]}
+        epoch = c.decode.call("reserve", tid, leg, [[50, 51]], TOKENS, 0)
+        assert c.prefill[0].call("wait_reservation", tid, epoch, 10.0, timeout=20) == epoch
+        relay.cut()
+        deadline = time.monotonic() + 10
+        left = c.prefill[0].call("lease_left")
+        while left and left[0] > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling a condition under a deadline
+            left = c.prefill[0].call("lease_left")
+        assert left and left[0] <= 0, f"lease not expired, or the session already lost: {left}"
+        c.done_all(tid, [5, 6], TOKENS)  # the KV is ready, but the lease is gone
+        released = c.prefill[0].call("released", 10.0, timeout=20)
+        assert [t for t, _ in released] == [tid] and "lease expired" in released[0][1], released
+        res = _wait(c, [tid], timeout=20)
+        assert res["settled"][tid] is not None and res["settled"][tid][0] == "failed", res
+        assert c.decode.call("zero_blocks", [50, 51]) == [50, 51]
+    finally:
+        relay.stop()
         c.stop()
 
 

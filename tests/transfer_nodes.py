@@ -150,6 +150,13 @@ def prefill_node(
             gate_entered.clear()
             gate_open.clear()
             conn.send(None)
+        elif cmd == "lease_left":
+            # Seconds of write lease left per connected decode session (negative: expired).
+            def left() -> list[float]:
+                now = agent.writer.clock()
+                return [sess.lease_until - now for sess in agent.writer._sessions.values()]
+
+            conn.send(agent.writer.call(left).result(5))
         elif cmd == "arm_write_entered":
             gate_entered.clear()
             conn.send(None)

@@ -403,8 +403,14 @@ class DecodeAgent:
             metrics.LINKS.inc()
             log.info("prefill_link_ready", endpoint=link.endpoint, prefill_incarnation=link.prefill_incarnation)
             sender = asyncio.get_running_loop().create_task(self._send_loop(link, call))
+            # The prefill rank pings every lease / 4: a stream silent for two leases is dead even
+            # if neither socket says so (a partition); its transfers then go through the fence.
+            silence_s = max(2 * link.lease_s, 1.0)
             while True:
-                msg = await call.read()
+                try:
+                    msg = await asyncio.wait_for(call.read(), silence_s)
+                except TimeoutError:
+                    raise ConnectionError(f"prefill rank silent for {silence_s:g}s") from None
                 if msg is grpc.aio.EOF:
                     raise ConnectionError("prefill closed the stream")
                 self._on_prefill_message(link, msg)
