@@ -42,7 +42,15 @@ class ConnectorConfig:
     # Public key (PEM, Ed25519) that verifies the scheduler-signed kv_transfer_params legs.
     leg_public_key_file: str = ""
     model_id: str = ""  # part of the compatibility hash; defaults to the model path's basename
-    grace_s: float = 2.0
+    # The reuse fence (docs/fence.md). Prefill: WRITEs only under a write lease renewed on the
+    # stream; a WRITE in flight after write_timeout_s is torn down. Decode: a lost stream's blocks
+    # are reusable after the rank's lease + write timeout + grace_s; a prefill rank announcing
+    # more than max_fence_s is refused; KV not arrived after transfer_timeout_s fails the request.
+    grace_s: float = 0.5
+    write_lease_s: float = 2.0
+    write_timeout_s: float = 10.0
+    max_fence_s: float = 60.0
+    transfer_timeout_s: float = 120.0
     prefill_lease_s: float = 30.0
     reservation_lease_ms: int = 30_000
     poll_interval_us: float = 100.0

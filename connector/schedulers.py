@@ -84,6 +84,8 @@ class DecodeScheduler:
                 shape=shape,
                 auth_token=self.cfg.auth_token(),
                 grace_s=self.cfg.grace_s,
+                max_fence_s=self.cfg.max_fence_s,
+                transfer_timeout_s=self.cfg.transfer_timeout_s,
                 reservation_lease_ms=self.cfg.reservation_lease_ms,
                 security=self.cfg.security(f"decode-agent {self.cfg.engine_id}"),
             ),

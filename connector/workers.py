@@ -123,6 +123,8 @@ class PrefillWorker:
             port=self.cfg.port_for(rank),
             auth_token=self.cfg.auth_token(),
             prefill_lease_s=self.cfg.prefill_lease_s,
+            lease_s=self.cfg.write_lease_s,
+            write_timeout_s=self.cfg.write_timeout_s,
             security=self.cfg.security(f"prefill-agent {self.cfg.engine_id}/{rank}"),
         )
         self.agent = PrefillAgent(acfg, engine, desc.regions, incarnation=incarnation, on_release=self._on_release)

@@ -213,6 +213,8 @@ class RoguePrefill(pb_grpc.PrefillAgentServicer):
                     tp_size=1,
                 ),
                 prefill_rank=0,
+                lease_ms=30_000,  # never pings: its stream stays up through the test
+                write_timeout_ms=1_000,
             )
         )
 

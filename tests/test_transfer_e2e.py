@@ -5,7 +5,10 @@ Every successful transfer is verified byte for byte in decode memory.
 
 from __future__ import annotations
 
+import os
 import random
+import signal
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -136,25 +139,32 @@ def test_cancel_before_the_write(c21: Cluster) -> None:
     assert c21.decode.call("zero_blocks", [410, 411]) == [410, 411]
 
 
-def test_cancel_during_the_write_waits_for_it(c21: Cluster) -> None:
-    tid = "cancel-during"
-    for n in c21.prefill:
-        n.call("hold_writes")
+def test_cancel_during_the_write_waits_for_it() -> None:
+    """A Cancel that reaches the prefill rank while its WRITE is inside NIXL (a large, fragmented
+    WRITE: tens of thousands of descriptors) is acked only after the WRITE ended, and decode
+    settles only after that; the data is whole."""
+    n = 120_000
+    c = start_cluster(1, 1, tag="cdw", num_blocks=n)
     try:
-        epoch = c21.decode.call("reserve", tid, c21.leg(tid), [[420, 421]], TOKENS, 0)
-        c21.done_all(tid, [3, 4], TOKENS)
-        assert all(n.call("wait_write_entered", 10.0) for n in c21.prefill)
-        c21.decode.call("cancel", tid)
-        # Both writers are inside a WRITE: decode must not settle (blocks stay fenced).
-        assert not _wait(c21, [tid], timeout=0.3)["settled"][tid]
-        assert c21.decode.call("state", tid) == "cancelling"
+        tid = "cancel-during"
+        dst = list(range(0, n, 2))
+        src = [b + 1 for b in dst]
+        epoch = c.decode.call("reserve", tid, c.leg(tid), [dst], TOKENS, 0)
+        assert c.prefill[0].call("wait_reservation", tid, epoch, 10.0, timeout=20) == epoch
+        c.prefill[0].call("arm_write_entered")
+        c.done_all(tid, src, TOKENS)
+        assert c.prefill[0].call("wait_write_entered", 10.0)
+        c.decode.call("cancel", tid)
+        assert c.decode.call("wait_settled", tid, epoch, 20.0, timeout=30) == "cancelled"
+        timeline = c.prefill[0].call("timeline")
+        ((post_start, post_end),) = timeline["posts"]
+        (cancel_at,) = timeline["cancels"]
+        assert post_start <= cancel_at < post_end, f"the Cancel did not arrive during the WRITE: {timeline}"
+        assert c.decode.call("settled_at", tid, epoch) > post_end, "decode settled before the WRITE ended"
+        assert c.decode.call("verify", [(dst, src)], timeout=60) == []
+        assert c.decode.call("state", tid) is None
     finally:
-        for n in c21.prefill:
-            n.call("release_writes")
-    # The fence completes once the WRITEs in flight finished; their data is whole.
-    assert c21.decode.call("wait_settled", tid, epoch, 10.0, timeout=20) == "cancelled"
-    assert c21.decode.call("verify", [([420, 421], [3, 4])]) == []
-    assert c21.decode.call("state", tid) is None
+        c.stop()
 
 
 def test_cancel_after_the_write_is_a_no_op(c21: Cluster) -> None:
@@ -328,24 +338,97 @@ def test_decode_restart_supersedes_the_old_incarnation() -> None:
         c.stop()
 
 
-def test_stalled_target_fails_the_write_instead_of_hanging() -> None:
-    """A decode that stops progressing NIXL leaves WRITEs in flight: the writer keeps serving
-    (cancels are acked) and fails the transfer at its write timeout, and the path recovers."""
-    c = start_cluster(1, 1, tag="stall", write_timeout_s=1.5)
+def test_stalled_target_write_is_torn_down_and_never_lands(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode rank stops calling into NIXL while a large WRITE comes over TCP, so the WRITE
+    cannot finish (the socket buffers fill up). At the write timeout the prefill rank recreates
+    its NIXL agent (nothing queued survives), decode fails and settles the transfer, the path
+    recovers, and no byte of the abandoned WRITE lands once the target progresses again."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # over cma the initiator copies without the target
+    n = 40_000
+    c = start_cluster(1, 1, tag="stall", num_blocks=n, write_timeout_s=1.5)
     try:
+        ids = list(range(0, n, 2))
         c.decode.call("progress", False)
-        _run(c, "stalled", [30, 31], [1, 2])
-        res = _wait(c, ["stalled"], timeout=20)
-        c.decode.call("progress", True)
-        outcome = res["ranks"]["stalled"]
-        # cma may finish the copy without the target; either way nothing hangs.
-        assert outcome is not None
-        if outcome[0] != "ok":
-            assert res["settled"]["stalled"][0] == "failed"
-        _run(c, "after-stall", [40], [3])
+        try:
+            _run(c, "stalled", ids, [i + 1 for i in ids])
+            res = _wait(c, ["stalled"], timeout=20)
+            assert res["ranks"]["stalled"] is not None and res["ranks"]["stalled"][0] == "failed", res
+            assert "torn down" in res["ranks"]["stalled"][1], res
+            assert res["settled"]["stalled"] is not None and res["settled"]["stalled"][0] == "failed", res
+            c.decode.call("clear")  # decode owns the blocks again
+        finally:
+            c.decode.call("progress", True)
+        _run(c, "after-stall", [1], [3])
         assert _wait(c, ["after-stall"])["ranks"]["after-stall"] == ("ok", "")
-        assert c.decode.call("verify", [([40], [3])]) == []
+        assert c.decode.call("verify", [([1], [3])]) == []
+        assert len(c.decode.call("zero_blocks", ids, timeout=60)) == len(ids)
     finally:
+        c.stop()
+
+
+def test_frozen_target_write_is_torn_down_and_never_lands_late(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode process freezes (SIGSTOP) with a large WRITE over TCP in flight: the writer tears
+    the NIXL connection down at its write timeout. Once decode runs again, it fails the transfer
+    (prefill's failed completion, then the fence), and no byte of the torn-down WRITE lands in the
+    blocks after decode released them."""
+    monkeypatch.setenv("UCX_TLS", "tcp")  # cma would copy into a stopped process
+    n = 40_000
+    c = start_cluster(1, 1, tag="frozen", num_blocks=n, write_timeout_s=1.5)
+    try:
+        ids = list(range(0, n, 2))
+        epoch = c.decode.call("reserve", "frozen", c.leg("frozen"), [ids], TOKENS, 0)
+        assert c.prefill[0].call("wait_reservation", "frozen", epoch, 10.0, timeout=20) == epoch
+        os.kill(c.decode.proc.pid, signal.SIGSTOP)
+        try:
+            c.done_all("frozen", [i + 1 for i in ids], TOKENS)
+            assert c.prefill[0].call("wait_in_flight", 5.0, timeout=10), "no WRITE in flight"
+            released = c.prefill[0].call("released", 10.0, timeout=20)
+            assert [tid for tid, _ in released] == ["frozen"] and "torn down" in released[0][1], released
+        finally:
+            os.kill(c.decode.proc.pid, signal.SIGCONT)
+        res = _wait(c, ["frozen"], timeout=20)
+        assert res["ranks"]["frozen"][0] == "failed" and "torn down" in res["ranks"]["frozen"][1], res
+        assert res["settled"]["frozen"] is not None and res["settled"]["frozen"][0] == "failed", res
+        # Released: the blocks are decode's again. Whatever the torn-down WRITE carried must not land now.
+        c.decode.call("clear")
+        _run(c, "after-freeze", [1], [3])
+        assert _wait(c, ["after-freeze"])["ranks"]["after-freeze"] == ("ok", "")
+        assert c.decode.call("verify", [([1], [3])]) == []
+        assert len(c.decode.call("zero_blocks", ids, timeout=60)) == len(ids)
+    finally:
+        c.stop()
+
+
+def test_cut_control_path_stops_writes_by_the_lease() -> None:
+    """The gRPC path between decode and prefill is partitioned (a relay stops forwarding, both
+    sockets stay open) while NIXL still works. Before either side's keepalive notices, the
+    prefill rank's write lease runs out, so the KV computed afterwards is never written; decode
+    fails the transfer once the stream is declared lost and its fence bound passed."""
+    from tests.tcp_relay import TcpRelay
+
+    c = start_cluster(1, 1, tag="cut")
+    host, port = c.prefill[0].info["endpoint"].rsplit(":", 1)
+    relay = TcpRelay(host, int(port)).start()
+    try:
+        tid = "cut"
+        leg = {**c.leg(tid), "prefill_agent_endpoints": [relay.address]}
+        epoch = c.decode.call("reserve", tid, leg, [[50, 51]], TOKENS, 0)
+        assert c.prefill[0].call("wait_reservation", tid, epoch, 10.0, timeout=20) == epoch
+        relay.cut()
+        deadline = time.monotonic() + 10
+        left = c.prefill[0].call("lease_left")
+        while left and left[0] > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # polling a condition under a deadline
+            left = c.prefill[0].call("lease_left")
+        assert left and left[0] <= 0, f"lease not expired, or the session already lost: {left}"
+        c.done_all(tid, [5, 6], TOKENS)  # the KV is ready, but the lease is gone
+        released = c.prefill[0].call("released", 10.0, timeout=20)
+        assert [t for t, _ in released] == [tid] and "lease expired" in released[0][1], released
+        res = _wait(c, [tid], timeout=20)
+        assert res["settled"][tid] is not None and res["settled"][tid][0] == "failed", res
+        assert c.decode.call("zero_blocks", [50, 51]) == [50, 51]
+    finally:
+        relay.stop()
         c.stop()
 
 

@@ -108,6 +108,11 @@ def tls_env(tls_dir: str) -> Any:
 # ----- prefill node ---------------------------------------------------------------------------
 
 
+# Short fence bounds, so a lost stream's transfers settle within seconds (docs/fence.md).
+LEASE_S = 1.0
+WRITE_TIMEOUT_S = 3.0
+
+
 def prefill_node(
     conn: Connection,
     engine_id: str,
@@ -115,7 +120,7 @@ def prefill_node(
     tp_size: int,
     num_blocks: int,
     auth: str,
-    write_timeout_s: float = 30.0,
+    write_timeout_s: float = WRITE_TIMEOUT_S,
     decode_engine_id: str = "",
 ) -> None:
     """``decode_engine_id``: the decode engine that prefill legs name unless a command says
@@ -141,6 +146,7 @@ def prefill_node(
         auth_token=auth,
         write_timeout_s=write_timeout_s,
         security=_security(engine_id),
+        lease_s=LEASE_S,
     )
     agent = PrefillAgent(cfg, engine, regions).start()
     # A gate in front of the real NIXL post, so a test can hold the writer inside a WRITE.
@@ -148,10 +154,24 @@ def prefill_node(
     gate_open.set()
     real_post = engine.post_write
 
+    posts: list[tuple[float, float]] = []  # (start, end) of every real NIXL post, monotonic
+    cancels: list[float] = []  # when the agent received each Cancel from the stream
+    real_cancel = agent.writer.cancel
+
     def gated_post(*a: Any, **kw: Any) -> Any:
         gate_entered.set()
         gate_open.wait(30)
-        return real_post(*a, **kw)
+        start = time.monotonic()
+        try:
+            return real_post(*a, **kw)
+        finally:
+            posts.append((start, time.monotonic()))
+
+    def timed_cancel(*a: Any, **kw: Any) -> None:
+        cancels.append(time.monotonic())
+        real_cancel(*a, **kw)
+
+    agent.writer.cancel = timed_cancel  # type: ignore[method-assign]
 
     engine.post_write = gated_post  # type: ignore[method-assign]
     conn.send({"endpoint": agent.endpoint, "incarnation": agent.identity.incarnation})
@@ -161,6 +181,18 @@ def prefill_node(
             gate_entered.clear()
             gate_open.clear()
             conn.send(None)
+        elif cmd == "lease_left":
+            # Seconds of write lease left per connected decode session (negative: expired).
+            def left() -> list[float]:
+                now = agent.writer.clock()
+                return [sess.lease_until - now for sess in agent.writer._sessions.values()]
+
+            conn.send(agent.writer.call(left).result(5))
+        elif cmd == "arm_write_entered":
+            gate_entered.clear()
+            conn.send(None)
+        elif cmd == "timeline":
+            conn.send({"posts": list(posts), "cancels": list(cancels)})
         elif cmd == "wait_write_entered":
             conn.send(gate_entered.wait(args[0]))
         elif cmd == "release_writes":
@@ -199,6 +231,16 @@ def prefill_node(
             conn.send(agent.writer.call(lambda: agent.writer.table.active_count()).result(5))
         elif cmd == "sessions":
             conn.send(agent.writer.call(lambda: len(agent.writer._sessions)).result(5))
+        elif cmd == "wait_in_flight":
+            # Until the writer has a WRITE posted and not yet finished (NIXL state PROC).
+            (timeout,) = args
+            deadline = time.monotonic() + timeout
+            while True:
+                n = agent.writer.call(lambda: len(agent.writer._in_flight)).result(5)
+                if n or time.monotonic() >= deadline:
+                    break
+                time.sleep(0.005)  # polling a condition under a deadline
+            conn.send(n)
         elif cmd == "stop":
             agent.stop()
             conn.send("stopped")
@@ -221,6 +263,7 @@ class _Outcomes:
     # Per decode request id: every rank's release, and the agent's settlement if any.
     by_request: dict[str, dict[int, tuple[str, str]]] = field(default_factory=lambda: defaultdict(dict))
     settled_by_request: dict[str, tuple[str, str]] = field(default_factory=dict)
+    settled_at: dict[tuple[str, int], float] = field(default_factory=dict)  # monotonic
 
     def record(self, tid: str, epoch: int) -> None:
         """Keeps only the newest epoch's releases."""
@@ -271,6 +314,7 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
             outcomes.settled_by_request[s.request_id] = (s.state.value, s.reason)
             if s.request_id == f"dreq-{s.transfer_id}":
                 outcomes.settled_epochs[(s.transfer_id, s.epoch)] = s.state.value
+                outcomes.settled_at[(s.transfer_id, s.epoch)] = time.monotonic()
                 outcomes.record(s.transfer_id, s.epoch)
                 if s.epoch == outcomes.epochs[s.transfer_id]:
                     outcomes.settled[s.transfer_id] = (s.state.value, s.reason)
@@ -337,6 +381,10 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
                 key = (tid, epoch)
                 outcomes.cv.wait_for(lambda key=key: key in outcomes.settled_epochs, timeout)
                 conn.send(outcomes.settled_epochs.get((tid, epoch)))
+        elif cmd == "settled_at":
+            tid, epoch = args
+            with outcomes.cv:
+                conn.send(outcomes.settled_at.get((tid, epoch)))
         elif cmd == "progress":
             (progress_allowed.set if args[0] else progress_allowed.clear)()
             conn.send(None)
@@ -461,7 +509,7 @@ def start_cluster(
     auth: str = "",
     grace_s: float = 0.5,
     tag: str = "",
-    write_timeout_s: float = 30.0,
+    write_timeout_s: float = WRITE_TIMEOUT_S,
     tls_dir: str = "",
 ) -> Cluster:
     """``tls_dir``: mutual TLS with the certificates there (for engines ``prefill<tag>`` and

@@ -9,6 +9,7 @@ transfers. One engine is used from one thread at a time.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 from typing import Any
 
@@ -32,16 +33,46 @@ def _nixl_api() -> Any:
 
 class NixlEngine:
     def __init__(self, name: str, backend_params: dict[str, str] | None = None) -> None:
-        api = _nixl_api()
-        self.name = name
-        self.agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
-        self.agent.create_backend("UCX", dict(backend_params or {}))
+        self._base_name = name
+        self._backend_params = dict(backend_params or {})
+        self._generation = 0
+        self._ranges: list[list[tuple[int, int]]] = []
         self._registrations: list[Any] = []
+        self.name = name
+        self.agent = self._new_agent(name)
+
+    def _new_agent(self, name: str) -> Any:
+        api = _nixl_api()
+        agent = api.nixl_agent(name, api.nixl_agent_config(enable_prog_thread=False, backends=[]))
+        agent.create_backend("UCX", self._backend_params)
+        return agent
 
     def register(self, ranges: list[tuple[int, int]]) -> None:
         """Registers DRAM ranges (address, length) for remote access."""
         descs = self.agent.get_reg_descs([(addr, length, 0, "") for addr, length in ranges], "DRAM")
         self._registrations.append(self.agent.register_memory(descs))
+        self._ranges.append(list(ranges))
+
+    def reset(self) -> None:
+        """Destroys the NIXL agent, its UCX worker and every connection with whatever is still
+        queued on them, and starts a fresh agent (a new name) with the same memory registered.
+        This is the only way to be sure a WRITE that NIXL could not confirm will not land later:
+        releasing its handle or removing the peer leaves queued data to be delivered afterwards.
+        Every peer must be added again; handles of the old agent are void."""
+        old = self.agent
+        for reg in self._registrations:
+            with contextlib.suppress(Exception):
+                old.deregister_memory(reg)
+        self._registrations.clear()
+        del old
+        self.agent = None
+        gc.collect()
+        self._generation += 1
+        self.name = f"{self._base_name}-g{self._generation}"
+        self.agent = self._new_agent(self.name)
+        ranges, self._ranges = self._ranges, []
+        for r in ranges:
+            self.register(r)
 
     def metadata(self) -> bytes:
         return bytes(self.agent.get_agent_metadata())
@@ -82,6 +113,15 @@ class NixlEngine:
     def release(self, handle: Any) -> None:
         with contextlib.suppress(Exception):  # releasing a failed handle may raise again
             self.agent.release_xfer_handle(handle)
+
+    def cancel(self, handle: Any) -> str:
+        """Releases an in-flight transfer, which makes NIXL cancel it. Returns "" when NIXL
+        cancelled it, else NIXL's error (the transfer may still be running)."""
+        try:
+            self.agent.release_xfer_handle(handle)
+            return ""
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
 
     def progress(self) -> dict[str, list[bytes]]:
         """Drives the agent (needed on the target for WRITEs to complete) and drains notifications."""

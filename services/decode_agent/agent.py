@@ -41,10 +41,18 @@ class DecodeAgentConfig:
     tp_size: int
     shape: ModelShape
     auth_token: str = ""
-    grace_s: float = 2.0  # a lost stream's reservations are fenced after this long
+    # Margin on top of a prefill rank's announced lease + write timeout before a lost stream's
+    # reservations count as fenced (clock drift, scheduling delays; docs/fence.md).
+    grace_s: float = 0.5
+    # A prefill rank whose lease + write timeout exceeds this is refused: decode would hold blocks
+    # of a lost stream for longer than it accepts.
+    max_fence_s: float = 60.0
     reservation_lease_ms: int = 30_000
+    # A published transfer whose KV has not arrived after this long is failed (then fenced).
+    transfer_timeout_s: float = 120.0
     connect_timeout_s: float = 5.0
     rpc_timeout_s: float = 5.0
+    settle_retry_s: float = 30.0  # a Settle the rank did not take is retried with backoff this long
     # mTLS for the channels to this engine's decode ranks and to the prefill agents (with this
     # engine's decode certificate). None: plaintext (tests, logged).
     security: Security | None = None
@@ -74,6 +82,7 @@ class _Pending:
     task: asyncio.Task[None] | None = None
     after: asyncio.Event | None = None  # an older epoch whose fence must settle first
     expected: asyncio.Future[Any] | None = None  # the ranks' Expect calls
+    deadline: asyncio.TimerHandle | None = None  # transfer_timeout_s after publishing
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # set when forgotten
 
 
@@ -90,6 +99,15 @@ class PrefillLink:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     error: str = ""
     task: asyncio.Task[None] | None = None
+    # Fence bounds (docs/fence.md): the last time this side granted the prefill rank its write
+    # lease (the Hello, then every Pong), and the rank's announced lease and write timeout.
+    granted_at: float = 0.0
+    lease_s: float = 0.0
+    write_timeout_s: float = 0.0
+
+    def fenced_after(self, margin_s: float) -> float:
+        """Monotonic time after which nothing this prefill rank posted can still land."""
+        return self.granted_at + self.lease_s + self.write_timeout_s + margin_s
 
 
 class DecodeAgent:
@@ -326,6 +344,7 @@ class DecodeAgent:
                 return
             t.links = (*t.links, endpoint)
             t.mark_published(time.monotonic())
+        p.deadline = asyncio.get_running_loop().call_later(self.config.transfer_timeout_s, self._on_deadline, p)
         metrics.RESERVATIONS.inc()
         metrics.PUBLISH_SECONDS.observe(time.monotonic() - p.reserve_called)
         log.debug("reservation_published", transfer_id=t.transfer_id, epoch=t.epoch, links=len(t.links))
@@ -333,6 +352,15 @@ class DecodeAgent:
             await p.expected
         except ExpectationRefused as exc:
             self._fence(p, DecodeState.FAILED, f"decode rank refused the expectation: {exc}")
+
+    def _on_deadline(self, p: _Pending) -> None:
+        if p.transfer.state is DecodeState.PUBLISHED:
+            metrics.DEADLINES.inc()
+            self._fence(
+                p,
+                DecodeState.FAILED,
+                f"KV did not arrive within the transfer timeout ({self.config.transfer_timeout_s:g}s)",
+            )
 
     def _expect(self, rank: int, expectation: pb.Expectation) -> asyncio.Future[None]:
         """Queues an expectation for a rank; everything queued in one loop turn goes in one call."""
@@ -408,17 +436,33 @@ class DecodeAgent:
         call = pb_grpc.PrefillAgentStub(channel).Reservations()
         sender: asyncio.Task[None] | None = None
         try:
+            link.granted_at = time.monotonic()  # the Hello is the first grant
             await call.write(hello)
             first = await call.read()
             if first is grpc.aio.EOF or first.WhichOneof("body") != "hello_ack":
                 raise ConnectionError("stream ended before HelloAck")
-            link.prefill_incarnation = first.hello_ack.prefill.incarnation
+            ack = first.hello_ack
+            link.lease_s, link.write_timeout_s = ack.lease_ms / 1e3, ack.write_timeout_ms / 1e3
+            if not ack.lease_ms or not ack.write_timeout_ms:
+                raise ConnectionError("prefill rank announced no lease or write timeout")
+            if link.lease_s + link.write_timeout_s > self.config.max_fence_s:
+                raise ConnectionError(
+                    f"prefill rank's lease {link.lease_s:g}s + write timeout {link.write_timeout_s:g}s exceed "
+                    f"max_fence_s {self.config.max_fence_s:g}s"
+                )
+            link.prefill_incarnation = ack.prefill.incarnation
             link.ready.set()
             metrics.LINKS.inc()
             log.info("prefill_link_ready", endpoint=link.endpoint, prefill_incarnation=link.prefill_incarnation)
             sender = asyncio.get_running_loop().create_task(self._send_loop(link, call))
+            # The prefill rank pings every lease / 4: a stream silent for two leases is dead even
+            # if neither socket says so (a partition); its transfers then go through the fence.
+            silence_s = max(2 * link.lease_s, 1.0)
             while True:
-                msg = await call.read()
+                try:
+                    msg = await asyncio.wait_for(call.read(), silence_s)
+                except TimeoutError:
+                    raise ConnectionError(f"prefill rank silent for {silence_s:g}s") from None
                 if msg is grpc.aio.EOF:
                     raise ConnectionError("prefill closed the stream")
                 self._on_prefill_message(link, msg)
@@ -445,7 +489,11 @@ class DecodeAgent:
 
     def _on_prefill_message(self, link: PrefillLink, msg: pb.PrefillMessage) -> None:
         kind = msg.WhichOneof("body")
-        if kind == "cancel_ack":
+        if kind == "ping":
+            # Grant first, then answer: the bound decode uses is never earlier than the grant.
+            link.granted_at = time.monotonic()
+            self._send(link, pb.DecodeMessage(pong=pb.Pong(seq=msg.ping.seq)))
+        elif kind == "cancel_ack":
             a = msg.cancel_ack
             p = self._transfers.get((a.transfer_id, a.epoch))
             if p is None:
@@ -476,8 +524,11 @@ class DecodeAgent:
         link.lost.set()
         if self._links.get(link.endpoint) is link:
             del self._links[link.endpoint]
-        deadline = time.monotonic() + self.config.grace_s
-        self._lost[link.endpoint] = deadline
+        now = time.monotonic()
+        deadline = max(now, link.fenced_after(self.config.grace_s))
+        for endpoint in [e for e, d in self._lost.items() if d <= now]:
+            del self._lost[endpoint]  # bounded: only links whose fence is still running stay
+        self._lost[link.endpoint] = max(deadline, self._lost.get(link.endpoint, 0.0))
         metrics.LINK_LOSSES.inc()
         log.warning("prefill_link_lost", endpoint=link.endpoint, error=link.error)
         for p in list(self._transfers.values()):
@@ -515,8 +566,12 @@ class DecodeAgent:
         for endpoint in t.start_fence(outcome, reason, lost):
             link = self._links.get(endpoint)
             cancel = pb.DecodeMessage(cancel=pb.Cancel(transfer_id=t.transfer_id, epoch=t.epoch, reason=reason))
-            if link is None or not self._send(link, cancel):
-                t.on_link_lost(endpoint, now + self.config.grace_s)
+            if link is None:
+                # Lost before its bound was recorded: the longest bound decode accepts.
+                t.on_link_lost(endpoint, now + self.config.max_fence_s + self.config.grace_s)
+            elif not self._send(link, cancel):
+                # The link is being closed for overflowing: its lease bound applies.
+                t.on_link_lost(endpoint, max(now, link.fenced_after(self.config.grace_s)))
         if first:
             log.info("fence_started", transfer_id=t.transfer_id, epoch=t.epoch, outcome=outcome.value, reason=reason)
         p.reserve_called = now if first else p.reserve_called
@@ -542,24 +597,42 @@ class DecodeAgent:
             with contextlib.suppress(Exception):
                 await p.expected  # a settlement never overtakes its expectation
         status = pb.TRANSFER_STATUS_CANCELLED if state is DecodeState.CANCELLED else pb.TRANSFER_STATUS_FAILED
-        results = await asyncio.gather(
-            *(
-                stub.Settle(
-                    pb.Settlement(transfer_id=t.transfer_id, epoch=t.epoch, status=status, reason=t.reason),
-                    timeout=self.config.rpc_timeout_s,
-                )
-                for stub in self._rank_stubs
-            ),
-            return_exceptions=True,
-        )
-        for rank, res in enumerate(results):
-            if isinstance(res, grpc.aio.AioRpcError) and res.code() is not grpc.StatusCode.NOT_FOUND:
-                log.warning("settle_failed", transfer_id=t.transfer_id, rank=rank, code=res.code().name)
+        settlement = pb.Settlement(transfer_id=t.transfer_id, epoch=t.epoch, status=status, reason=t.reason)
+        await asyncio.gather(*(self._settle_rank(rank, settlement) for rank in range(len(self._rank_stubs))))
         self._forget(p)
         metrics.SETTLED.labels(outcome=state.value).inc()
         log.info("transfer_settled", transfer_id=t.transfer_id, epoch=t.epoch, outcome=state.value, reason=t.reason)
         if self.on_settled is not None:
             self.on_settled(Settled(t.transfer_id, t.epoch, t.request_id, state, t.reason))
+
+    async def _settle_rank(self, rank: int, settlement: pb.Settlement) -> None:
+        """Tells one rank the transfer is fenced; retried with backoff, since the request stays
+        stuck in vLLM until every rank released it."""
+        deadline = time.monotonic() + self.config.settle_retry_s
+        backoff = 0.05
+        while True:
+            try:
+                await self._rank_stubs[rank].Settle(settlement, timeout=self.config.rpc_timeout_s)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.NOT_FOUND:
+                    return  # the rank never heard of it: nothing to release there
+                final = exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or (
+                    time.monotonic() + backoff >= deadline
+                )
+                (log.error if final else log.warning)(
+                    "settle_failed",
+                    transfer_id=settlement.transfer_id,
+                    epoch=settlement.epoch,
+                    rank=rank,
+                    code=exc.code().name,
+                    detail=exc.details(),
+                    final=final,
+                )
+                if final:
+                    return
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
 
     def _finished(self, transfer_id: str, epoch: int | None) -> None:
         p = self._current(transfer_id) if epoch is None else self._transfers.get((transfer_id, epoch))
@@ -572,6 +645,8 @@ class DecodeAgent:
 
     def _forget(self, p: _Pending) -> None:
         t = p.transfer
+        if p.deadline is not None:
+            p.deadline.cancel()
         self._transfers.pop((t.transfer_id, t.epoch), None)
         if self._latest.get(t.transfer_id) == t.epoch:
             del self._latest[t.transfer_id]

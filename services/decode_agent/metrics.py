@@ -17,3 +17,4 @@ LINK_LOSSES = Counter("kvpush_decode_link_losses_total", "Reservation streams lo
 RELEASED = Counter("kvpush_decode_rank_released_total", "Transfers released by a rank barrier, by outcome", ["outcome"])
 BARRIER_SECONDS = Histogram("kvpush_decode_rank_barrier_seconds", "Expectation to barrier release", buckets=_LAT)
 BYTES = Counter("kvpush_decode_rank_bytes_received_total", "Bytes reported written into this process")
+DEADLINES = Counter("kvpush_decode_transfer_deadlines_total", "Published transfers failed because the KV never came")

@@ -69,6 +69,10 @@ class DecodeRankConfig:
     # mTLS: Complete only from prefill identities (each in its own name), Expect and Settle only
     # from this engine's decode agent. None: plaintext (tests, logged).
     security: Security | None = None
+    # Before a transfer that did not complete is released, NIXL is progressed for this long, so
+    # bytes of a torn-down WRITE that already reached this host land before the blocks are
+    # reused, not after (docs/fence.md).
+    drain_s: float = 0.05
 
 
 class DecodeRank(pb_grpc.DecodeRankServicer):
@@ -93,6 +97,8 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self._expected: dict[str, asyncio.Event] = {}  # completions waiting for their expectation
         self._next_expiry = 0.0
         self._stopping = threading.Event()
+        self._drain_lock = threading.Lock()
+        self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._poller = threading.Thread(target=self._poll, name=f"kvpush-nixl-poller-{config.rank}", daemon=True)
 
     @property
@@ -156,9 +162,35 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
                 self.engine.progress()
             except Exception:
                 log.exception("nixl_progress_failed")
+            with self._drain_lock:
+                waiters, self._drain_waiters = self._drain_waiters, []
+            if waiters:
+                self._drain_now()
+                for loop, fut in waiters:
+                    loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+
+    def _drain_now(self) -> None:
+        end = time.monotonic() + self.config.drain_s
+        while time.monotonic() < end:
+            try:
+                self.engine.progress()
+            except Exception:
+                log.exception("nixl_progress_failed")
+            time.sleep(self.config.poll_interval_s)
+
+    async def _drain(self) -> None:
+        """Returns once the poller progressed NIXL for ``drain_s`` after this call."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        with self._drain_lock:
+            self._drain_waiters.append((asyncio.get_running_loop(), fut))
+        self._active.set()
+        try:
+            await asyncio.wait_for(fut, self.config.drain_s + 5.0)
+        except TimeoutError:
+            log.error("nixl_drain_timeout", rank=self.config.rank)
 
     def _update_active(self) -> None:
-        if self.table.pending_count():
+        if self.table.pending_count() or self._drain_waiters:
             self._active.set()
         else:
             self._active.clear()
@@ -270,6 +302,8 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         if request.status == pb.TRANSFER_STATUS_OK:
             metrics.BYTES.inc(request.bytes_written)
         if rel is not None:
+            if rel.outcome is not Outcome.OK:
+                await self._drain()
             self._released_now(rel)
             self._update_active()
         return pb.CompletionAck(released=rel is not None)
@@ -289,6 +323,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             log.warning("settle_refused", transfer_id=request.transfer_id, code=_status(exc).name, reason=exc.message)
             await context.abort(_status(exc), exc.message)
         if rel is not None:
+            await self._drain()
             self._released_now(rel)
             self._update_active()
         return pb.SettleAck()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -39,8 +41,13 @@ from services.prefill_agent.writer import CompletionReport, PeerSession, PushWri
 
 log = get_logger("prefill.agent")
 
-COMPLETION_ATTEMPTS = 3
-COMPLETION_TIMEOUT_S = 5.0
+COMPLETION_TIMEOUT_S = 5.0  # one Complete call
+COMPLETION_RETRY_S = 60.0  # a completion is retried with backoff for this long
+# Retried: the decode rank is unreachable for now, or has not registered the expectation yet.
+COMPLETION_RETRY_CODES = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.NOT_FOUND}
+)
+MAX_COMPLETION_CHANNELS = 256  # channels to decode ranks kept open (least recently used closed)
 
 
 @dataclass
@@ -55,7 +62,11 @@ class PrefillAgentConfig:
     prefill_lease_s: float = 30.0
     default_reservation_lease_s: float = 30.0
     hello_timeout_s: float = 10.0
-    write_timeout_s: float = 30.0  # a WRITE still in flight after this fails its transfer
+    # The fence bounds announced in HelloAck (docs/fence.md): WRITEs are posted only while the
+    # decode stream's lease (renewed by Ping/Pong every lease_s / 4) is fresh, and a WRITE still in
+    # flight write_timeout_s after its post makes the rank recreate its NIXL agent.
+    lease_s: float = 2.0
+    write_timeout_s: float = 10.0
     outbox_depth: int = limits.MAX_OUTBOX  # messages queued towards one stream it does not read
     max_open_transfers_per_decode: int = limits.MAX_OPEN_TRANSFERS_PER_DECODE
     max_entries_per_decode: int = limits.MAX_ENTRIES_PER_DECODE
@@ -139,7 +150,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         self._draining = False
         self._streams = itertools.count(1)
         self._loop = LoopThread(f"kvpush-prefill-{config.rank}")
-        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
         self._server: grpc.aio.Server | None = None
         self.port = 0
         self.writer = PushWriter(
@@ -242,17 +253,21 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         self._loop.submit(self._send_completion(report))
 
     async def _send_completion(self, report: CompletionReport) -> None:
+        """Delivers one completion, retrying with backoff while the decode rank is unreachable or
+        does not know the transfer yet (its expectation may arrive late)."""
         c = report.completion
-        ch = self._channels.get(report.endpoint)
-        if ch is None:
-            ch = self._channels[report.endpoint] = self.security.aio_channel(report.endpoint, CHANNEL_OPTIONS)
-        stub = pb_grpc.DecodeRankStub(ch)
-        for attempt in range(1, COMPLETION_ATTEMPTS + 1):
+        deadline = time.monotonic() + COMPLETION_RETRY_S
+        backoff = 0.05
+        attempt = 0
+        while True:
+            attempt += 1
             try:
-                await stub.Complete(c, timeout=COMPLETION_TIMEOUT_S)
+                await pb_grpc.DecodeRankStub(self._channel(report.endpoint)).Complete(c, timeout=COMPLETION_TIMEOUT_S)
+                if attempt > 1:
+                    log.info("completion_delivered", transfer_id=c.transfer_id, epoch=c.epoch, attempts=attempt)
                 return
             except grpc.aio.AioRpcError as exc:
-                retryable = exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                retry = exc.code() in COMPLETION_RETRY_CODES and time.monotonic() + backoff < deadline
                 log.warning(
                     "completion_send_failed",
                     transfer_id=c.transfer_id,
@@ -261,10 +276,23 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
                     code=exc.code().name,
                     detail=exc.details(),
                     attempt=attempt,
+                    final=not retry,
                 )
-                if not retryable:
+                if not retry:
                     return
-                await asyncio.sleep(0.05 * attempt)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 1.0)
+
+    def _channel(self, endpoint: str) -> grpc.aio.Channel:
+        ch = self._channels.get(endpoint)
+        if ch is None:
+            ch = self._channels[endpoint] = self.security.aio_channel(endpoint, CHANNEL_OPTIONS)
+            while len(self._channels) > MAX_COMPLETION_CHANNELS:
+                _, old = self._channels.popitem(last=False)
+                asyncio.get_running_loop().create_task(old.close())
+        else:
+            self._channels.move_to_end(endpoint)
+        return ch
 
     # ----- the reservations stream -------------------------------------------------------
 
@@ -338,6 +366,8 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             )
             await context.abort(*problem)
         loop = asyncio.get_running_loop()
+        # The Hello is the stream's first lease grant: decode counts it from its send, we from now.
+        lease_until = time.monotonic() + self.config.lease_s
         outbox = _Outbox(self.config.outbox_depth)
         # One key per stream: a reconnect of the same incarnation must not be torn down by the
         # clean-up of the stream it replaces.
@@ -348,6 +378,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             layouts=list(hello.decode_ranks),
             send=lambda msg: loop.call_soon_threadsafe(outbox.put, msg),
             close=lambda reason: loop.call_soon_threadsafe(outbox.end, grpc.StatusCode.FAILED_PRECONDITION, reason),
+            lease_until=lease_until,
         )
         try:
             await asyncio.wrap_future(self.writer.connect(session))
@@ -355,9 +386,18 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             log.warning("stream_refused", decode_engine=hello.decode.engine_id[: limits.MAX_ID_CHARS], reason=str(exc))
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         await context.write(
-            pb.PrefillMessage(hello_ack=pb.HelloAck(prefill=self.identity, prefill_rank=self.config.rank))
+            pb.PrefillMessage(
+                hello_ack=pb.HelloAck(
+                    prefill=self.identity,
+                    prefill_rank=self.config.rank,
+                    lease_ms=round(self.config.lease_s * 1e3),
+                    write_timeout_ms=round(self.config.write_timeout_s * 1e3),
+                )
+            )
         )
-        reader = asyncio.create_task(self._read(request_iterator, session))
+        pings: OrderedDict[int, float] = OrderedDict()  # seq -> our send time
+        reader = asyncio.create_task(self._read(request_iterator, session, pings))
+        pinger = asyncio.create_task(self._ping(outbox, pings))
         ended = asyncio.create_task(outbox.ended.wait())
         getter: asyncio.Task[pb.PrefillMessage] | None = None
         try:
@@ -382,13 +422,32 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
                 getter.cancel()
             ended.cancel()
             reader.cancel()
+            pinger.cancel()
             self.writer.disconnect(key)
 
-    async def _read(self, request_iterator: AsyncIterator[pb.DecodeMessage], session: PeerSession) -> None:
+    async def _ping(self, outbox: _Outbox, pings: OrderedDict[int, float]) -> None:
+        """Asks for a lease renewal every lease_s / 4; the lease runs from the Ping's send time."""
+        for seq in itertools.count(1):
+            await asyncio.sleep(self.config.lease_s / 4)
+            pings[seq] = time.monotonic()
+            while len(pings) > 16:  # unanswered pings are useless once newer ones exist
+                pings.popitem(last=False)
+            outbox.put(pb.PrefillMessage(ping=pb.Ping(seq=seq)))
+
+    async def _read(
+        self,
+        request_iterator: AsyncIterator[pb.DecodeMessage],
+        session: PeerSession,
+        pings: OrderedDict[int, float],
+    ) -> None:
         try:
             async for msg in request_iterator:
                 kind = msg.WhichOneof("body")
-                if kind == "reservation":
+                if kind == "pong":
+                    sent = pings.pop(msg.pong.seq, None)
+                    if sent is not None:
+                        self.writer.renew(session.key, sent + self.config.lease_s)
+                elif kind == "reservation":
                     self._on_reservation(msg.reservation, session)
                 elif kind == "cancel":
                     # Scoped to this stream's engine: another engine's transfer is out of reach.

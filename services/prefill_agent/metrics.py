@@ -19,3 +19,9 @@ MATCH_WAIT_SECONDS = Histogram(
 )
 REJECTED = Counter("kvpush_prefill_rejected_total", "Reservations rejected, by status code", ["code"])
 PEERS = Gauge("kvpush_prefill_peers", "Connected decode engines")
+LEASE_EXPIRED = Counter(
+    "kvpush_prefill_lease_expired_total", "Transfers not written because the decode stream's write lease had expired"
+)
+TEARDOWNS = Counter(
+    "kvpush_prefill_teardowns_total", "Decode peers whose NIXL connection was torn down because a WRITE did not end"
+)

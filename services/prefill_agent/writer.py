@@ -54,6 +54,9 @@ class PeerSession:
     layouts: list[pb.RankLayout]
     send: Callable[[pb.PrefillMessage], None]  # thread-safe: queues onto the stream
     close: Callable[[str], None]  # ends the stream with FAILED_PRECONDITION and a reason
+    # Monotonic time until which this rank may post WRITEs for the peer (renewed by Ping/Pong);
+    # written only on the writer thread.
+    lease_until: float = 0.0
     slices: list[HeadSlice] = field(default_factory=list)
     regions: dict[int, RankRegions] = field(default_factory=dict)
     nixl_names: dict[int, str] = field(default_factory=dict)
@@ -71,6 +74,12 @@ class _Connect:
 @dataclass(frozen=True)
 class _Disconnect:
     key: str
+
+
+@dataclass(frozen=True)
+class _Renew:
+    key: str
+    until: float
 
 
 @dataclass(frozen=True)
@@ -172,6 +181,10 @@ class PushWriter:
     def disconnect(self, key: str) -> None:
         self._inbox.put(_Disconnect(key))
 
+    def renew(self, key: str, until: float) -> None:
+        """The peer granted a write lease lasting until ``until`` (monotonic)."""
+        self._inbox.put(_Renew(key, until))
+
     def reserve(self, reservation: Reservation) -> None:
         self._inbox.put(_Reserve(reservation))
 
@@ -234,7 +247,11 @@ class PushWriter:
 
     def _handle(self, event: object) -> None:
         now = self.clock()
-        if isinstance(event, _Reserve):
+        if isinstance(event, _Renew):
+            session = self._sessions.get(event.key)
+            if session is not None and event.until > session.lease_until:
+                session.lease_until = event.until
+        elif isinstance(event, _Reserve):
             res = event.reservation
             problem = self._validate(res)
             if problem is not None:
@@ -384,6 +401,15 @@ class PushWriter:
             log.warning("write_skipped", transfer_id=tid, reason=reason)
             self._execute(self.table.on_write_finished(res.decode_engine, tid, res.epoch, False, reason, self.clock()))
             return
+        if self.clock() >= session.lease_until:
+            # The decode stream has been silent for a lease: decode may be fencing these blocks on
+            # its timeline already (docs/fence.md). Post nothing.
+            reason = "write lease expired: no answer on the decode stream"
+            metrics.LEASE_EXPIRED.inc()
+            log.warning("write_refused", transfer_id=tid, epoch=res.epoch, reason=reason)
+            self._execute([Reject(res.peer, tid, res.epoch, RefusalCode.ABORTED, reason)])
+            self._execute(self.table.on_write_finished(res.decode_engine, tid, res.epoch, False, reason, self.clock()))
+            return
         w = _Write(action, session, started=self.clock())
         for s in session.slices:
             try:
@@ -412,6 +438,7 @@ class PushWriter:
     def _poll_in_flight(self) -> None:
         now = self.clock()
         still: list[_Write] = []
+        stuck = False
         for w in self._in_flight:
             waiting: list[tuple[WritePlan, Any]] = []
             for plan, handle in w.pending:
@@ -424,8 +451,9 @@ class PushWriter:
                 if state == "DONE":
                     self.engine.release(handle)
                     w.results[plan.decode_rank] = (True, "", plan)
-                elif state == "PROC" and now < w.started + self.write_timeout_s:
+                elif state == "PROC":
                     waiting.append((plan, handle))
+                    stuck = stuck or now >= w.started + self.write_timeout_s
                 else:
                     self.engine.release(handle)
                     w.results[plan.decode_rank] = (False, f"WRITE ended in state {state}", plan)
@@ -435,6 +463,30 @@ class PushWriter:
             else:
                 self._finish(w)
         self._in_flight = still
+        if stuck:
+            self._reset_data_plane(
+                f"a WRITE was still in flight after {self.write_timeout_s:g}s: NIXL connections torn down"
+            )
+
+    def _reset_data_plane(self, reason: str) -> None:
+        """A WRITE that NIXL cannot confirm ended must never land later (docs/fence.md). Neither
+        releasing its handle nor removing the peer stops data UCX has queued, so the rank's NIXL
+        agent is destroyed and recreated: every WRITE in flight fails, every decode stream is
+        closed (decode fences its transfers by the lease bound and reconnects with a fresh Hello)."""
+        metrics.TEARDOWNS.inc()
+        log.error("data_plane_reset", reason=reason, peers=len(self._sessions), writes_in_flight=len(self._in_flight))
+        writes, self._in_flight = self._in_flight, []
+        for w in writes:
+            for plan, handle in w.pending:
+                self.engine.cancel(handle)
+                w.results[plan.decode_rank] = (False, reason, plan)
+            w.pending = []
+        for session in list(self._sessions.values()):
+            self._disconnect(session.key)
+            session.close(reason)
+        self.engine.reset()
+        for w in writes:
+            self._finish(w)
 
     def _finish(self, w: _Write) -> None:
         res, session, results, started = w.action.reservation, w.session, w.results, w.started

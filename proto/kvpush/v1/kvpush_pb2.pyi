@@ -261,6 +261,7 @@ class DecodeMessage(_message.Message):
     RESERVATION_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
+    PONG_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___Hello: ...
     @_builtins.property
@@ -269,6 +270,8 @@ class DecodeMessage(_message.Message):
     def cancel(self) -> Global___Cancel: ...
     @_builtins.property
     def drain(self) -> Global___Drain: ...
+    @_builtins.property
+    def pong(self) -> Global___Pong: ...
     def __init__(
         self,
         *,
@@ -276,12 +279,13 @@ class DecodeMessage(_message.Message):
         reservation: Global___Reservation | None = ...,
         cancel: Global___Cancel | None = ...,
         drain: Global___Drain | None = ...,
+        pong: Global___Pong | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "drain", b"drain", "hello", b"hello", "reservation", b"reservation"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "drain", b"drain", "hello", b"hello", "pong", b"pong", "reservation", b"reservation"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "drain", b"drain", "hello", b"hello", "reservation", b"reservation"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel", b"cancel", "drain", b"drain", "hello", b"hello", "pong", b"pong", "reservation", b"reservation"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "reservation", "cancel", "drain"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "reservation", "cancel", "drain", "pong"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -295,6 +299,7 @@ class PrefillMessage(_message.Message):
     REJECTED_FIELD_NUMBER: _builtins.int
     CANCEL_ACK_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
+    PING_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello_ack(self) -> Global___HelloAck: ...
     @_builtins.property
@@ -303,6 +308,8 @@ class PrefillMessage(_message.Message):
     def cancel_ack(self) -> Global___CancelAck: ...
     @_builtins.property
     def drain(self) -> Global___Drain: ...
+    @_builtins.property
+    def ping(self) -> Global___Ping: ...
     def __init__(
         self,
         *,
@@ -310,12 +317,13 @@ class PrefillMessage(_message.Message):
         rejected: Global___ReservationRejected | None = ...,
         cancel_ack: Global___CancelAck | None = ...,
         drain: Global___Drain | None = ...,
+        ping: Global___Ping | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_ack", b"cancel_ack", "drain", b"drain", "hello_ack", b"hello_ack", "rejected", b"rejected"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_ack", b"cancel_ack", "drain", b"drain", "hello_ack", b"hello_ack", "ping", b"ping", "rejected", b"rejected"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_ack", b"cancel_ack", "drain", b"drain", "hello_ack", b"hello_ack", "rejected", b"rejected"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "cancel_ack", b"cancel_ack", "drain", b"drain", "hello_ack", b"hello_ack", "ping", b"ping", "rejected", b"rejected"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello_ack", "rejected", "cancel_ack", "drain"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello_ack", "rejected", "cancel_ack", "drain", "ping"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -366,7 +374,15 @@ class HelloAck(_message.Message):
 
     PREFILL_FIELD_NUMBER: _builtins.int
     PREFILL_RANK_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
+    WRITE_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     prefill_rank: _builtins.int
+    lease_ms: _builtins.int
+    """The fence bounds of this prefill rank (docs/fence.md): it posts a WRITE only while it holds a
+    lease renewed by Ping/Pong on this stream, and every WRITE it posted ends, or its NIXL
+    connection is torn down, within write_timeout_ms of the post.
+    """
+    write_timeout_ms: _builtins.int
     @_builtins.property
     def prefill(self) -> Global___EngineIdentity: ...
     def __init__(
@@ -374,14 +390,58 @@ class HelloAck(_message.Message):
         *,
         prefill: Global___EngineIdentity | None = ...,
         prefill_rank: _builtins.int = ...,
+        lease_ms: _builtins.int = ...,
+        write_timeout_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["prefill", b"prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefill", b"prefill", "prefill_rank", b"prefill_rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_ms", b"lease_ms", "prefill", b"prefill", "prefill_rank", b"prefill_rank", "write_timeout_ms", b"write_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___HelloAck: _TypeAlias = HelloAck  # noqa: Y015
+
+@_typing.final
+class Ping(_message.Message):
+    """Prefill asks the decode engine to renew its write lease; the lease runs from the Ping's send time."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Ping: _TypeAlias = Ping  # noqa: Y015
+
+@_typing.final
+class Pong(_message.Message):
+    """Decode grants the lease asked for by Ping ``seq``; decode notes when it answered."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQ_FIELD_NUMBER: _builtins.int
+    seq: _builtins.int
+    def __init__(
+        self,
+        *,
+        seq: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["seq", b"seq"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Pong: _TypeAlias = Pong  # noqa: Y015
 
 @_typing.final
 class BlockIds(_message.Message):
