@@ -138,7 +138,7 @@ class VllmServer:
             str(self.port),
             "--skip-tokenizer-init",
             "--dtype",
-            "bfloat16",
+            vllm_dtype(),
             "--max-model-len",
             str(self.max_model_len),
             "--enforce-eager",
@@ -360,6 +360,14 @@ def _parse_sse(lines: Iterable[str]) -> list[dict[str, Any]]:
 
 def _tokens_of(resp: dict[str, Any]) -> list[int]:
     return list(resp["choices"][0].get("token_ids") or [])
+
+
+def vllm_dtype() -> str:
+    """``KVPUSH_VLLM_DTYPE`` (default float32). With bfloat16, vLLM's CPU attention takes its AMX
+    kernels on machines that advertise AMX; on a VM that advertises AMX but faults on it (seen
+    here after a VM migration: the decode worker dies with SIGILL on its first forward after a
+    pushed prefix), float32 avoids them. Prefill, decode and the reference all use the same dtype."""
+    return os.environ.get("KVPUSH_VLLM_DTYPE", "float32")
 
 
 def model_name(base_url: str, timeout: float = 10.0) -> str:
