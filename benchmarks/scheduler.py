@@ -75,7 +75,7 @@ def _instance_names(decodes: int, prefills: int) -> list[tuple[str, str]]:
 
 
 def _security(certs: Path, name: str) -> Any:
-    from services.common.security import Security, TlsFiles
+    from kvpush.services.common.security import Security, TlsFiles
 
     return Security.mtls(TlsFiles.in_dir(certs, name))
 
@@ -259,7 +259,7 @@ class _EchoScheduler(pb_grpc.SchedulerServicer):
 
 async def _serve_echo(address: str, certs: Path) -> None:
     """The same transport as the scheduler (mTLS), no logic and no per-method authorization."""
-    from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection
+    from kvpush.services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection
 
     server = grpc.aio.server(options=SERVER_OPTIONS, migration_thread_pool=ThreadPoolExecutor(2))
     pb_grpc.add_SchedulerServicer_to_server(_EchoScheduler(), server)
@@ -292,9 +292,9 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvpush.services.common.leg_signing import write_keypair
+    from kvpush.services.common.security import TlsFiles
     from scripts.make_certs import make_certs
-    from services.common.leg_signing import write_keypair
-    from services.common.security import TlsFiles
 
     port, metrics_port = _free_port(), _free_port()
     address = f"127.0.0.1:{port}"
@@ -308,7 +308,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     proc = _start(
         [
             "-m",
-            "services.scheduler.main",
+            "kvpush.services.scheduler.main",
             "--listen",
             address,
             "--metrics-port",

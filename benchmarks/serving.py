@@ -493,7 +493,7 @@ class Harness:
         self.log.flush()
 
     def server(self, name: str, core: int, kv: dict[str, Any] | None, env: dict[str, str]) -> Any:
-        from services.common.vllm_server import VllmServer
+        from kvpush.services.common.vllm_server import VllmServer
 
         a = self.args
         pythonpath = [str(ROOT)]
@@ -540,8 +540,8 @@ class Harness:
 
     @contextlib.contextmanager
     def pair(self, kind: str) -> Iterator[Pair]:
+        from kvpush.services.common.vllm_server import free_port
         from scripts.pd_cluster import connector_config, start_scheduler
-        from services.common.vllm_server import free_port
 
         a = self.args
         sched = None
@@ -715,7 +715,7 @@ def _nixl_child(conn: Any, sizes: list[int], reps: int) -> None:
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
         sys.path.insert(0, str(ROOT))
-        from services.common.nixl_engine import NixlEngine
+        from kvpush.services.common.nixl_engine import NixlEngine
 
         biggest = max(sizes)
         src = np.ones(biggest, dtype=np.uint8)

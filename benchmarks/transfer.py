@@ -77,7 +77,7 @@ def _env(log_level: str) -> None:
 
 
 def _shape(sizes: Sizes) -> Any:
-    from services.common.layout import ModelShape
+    from kvpush.services.common.layout import ModelShape
 
     return ModelShape(
         model="bench-transfer",
@@ -96,7 +96,7 @@ def _create_pool(sizes: Sizes) -> np.ndarray:
 
 
 def _regions(arr: np.ndarray) -> Any:
-    from services.common.layout import RankRegions, Region
+    from kvpush.services.common.layout import RankRegions, Region
 
     layers, blocks, block_bytes = arr.shape
     return RankRegions(
@@ -134,13 +134,13 @@ def _id_sets(sizes: Sizes, seed: int) -> dict[str, tuple[tuple[int, ...], tuple[
 
 def prefill_node(conn: Connection, sizes: Sizes, seed: int, log_level: str) -> None:
     _env(log_level)
+    from kvpush.services.common.nixl_engine import NixlEngine
+    from kvpush.services.common.tp import HeadSlice
+    from kvpush.services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
+    from kvpush.services.prefill_agent.plan import plan_writes
+    from kvpush.services.prefill_agent.table import Reservation
+    from kvpush.services.prefill_agent.writer import CompletionReport
     from kvpush.v1 import kvpush_pb2 as pb
-    from services.common.nixl_engine import NixlEngine
-    from services.common.tp import HeadSlice
-    from services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
-    from services.prefill_agent.plan import plan_writes
-    from services.prefill_agent.table import Reservation
-    from services.prefill_agent.writer import CompletionReport
 
     ids = _id_sets(sizes, seed)
     pool = _create_pool(sizes)
@@ -252,7 +252,7 @@ def prefill_node(conn: Connection, sizes: Sizes, seed: int, log_level: str) -> N
                 md, remote_base, blocks, block_bytes = args
                 peer = bare.add_peer(md)
                 remote_arr_layers = [(remote_base + layer * blocks * block_bytes) for layer in range(sizes.layers)]
-                from services.common.layout import RankRegions, Region
+                from kvpush.services.common.layout import RankRegions, Region
 
                 remote = RankRegions(
                     regions=tuple(Region(a, blocks, block_bytes) for a in remote_arr_layers),
@@ -310,11 +310,11 @@ def prefill_node(conn: Connection, sizes: Sizes, seed: int, log_level: str) -> N
 
 def decode_node(conn: Connection, sizes: Sizes, seed: int, log_level: str, rank_poll_us: float) -> None:
     _env(log_level)
-    from services.common.nixl_engine import NixlEngine
-    from services.common.transfer_params import DecodeLeg
-    from services.decode_agent.agent import DecodeAgent, DecodeAgentConfig, Settled
-    from services.decode_agent.barrier import Released
-    from services.decode_agent.rank import DecodeRankConfig, create_rank
+    from kvpush.services.common.nixl_engine import NixlEngine
+    from kvpush.services.common.transfer_params import DecodeLeg
+    from kvpush.services.decode_agent.agent import DecodeAgent, DecodeAgentConfig, Settled
+    from kvpush.services.decode_agent.barrier import Released
+    from kvpush.services.decode_agent.rank import DecodeRankConfig, create_rank
 
     ids = _id_sets(sizes, seed)
     pool = _create_pool(sizes)

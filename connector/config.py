@@ -6,7 +6,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from services.common.security import Security
+    from kvpush.services.common.security import Security
 
 _metrics_started = False
 
@@ -103,7 +103,7 @@ class ConnectorConfig:
     def security(self, component: str) -> Security:
         """The gRPC credentials of this engine's agents: mTLS with its certificate (whose SPIFFE id
         must name this engine and role), or plaintext with ``insecure`` and no TLS files (logged)."""
-        from services.common.security import PeerIdentity, Security, SecurityError, TlsFiles
+        from kvpush.services.common.security import PeerIdentity, Security, SecurityError, TlsFiles
 
         self.check_transport()
         if not self.tls_cert_file:

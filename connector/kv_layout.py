@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.layout import ModelShape, RankRegions, Region
+from kvpush.services.common.layout import ModelShape, RankRegions, Region
 
 
 @dataclass(frozen=True)

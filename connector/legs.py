@@ -15,12 +15,12 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from connector.config import ConfigError, ConnectorConfig
-from services.common.leg_signing import LegRefused, LegVerifier, check_leg
-from services.common.logs import get_logger
-from services.common.transfer_params import KEY, MAX_ID_CHARS, Leg, LegError, parse
+from kvpush.connector.config import ConfigError, ConnectorConfig
+from kvpush.services.common.leg_signing import LegRefused, LegVerifier, check_leg
+from kvpush.services.common.logs import get_logger
+from kvpush.services.common.transfer_params import KEY, MAX_ID_CHARS, Leg, LegError, parse
 
-log = get_logger("connector.legs")
+log = get_logger("kvpush.connector.legs")
 
 REFUSED = Counter(
     "kvpush_connector_legs_refused_total",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata, KVConnectorMetadata
 
-from services.common.layout import ModelShape
+from kvpush.services.common.layout import ModelShape
 
 
 @dataclass

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 CONNECTOR_NAME = "KvPushConnector"
-MODULE_PATH = "connector.push_connector"
+MODULE_PATH = "kvpush.connector.push_connector"
 
 
 def register() -> None:

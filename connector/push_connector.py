@@ -1,8 +1,8 @@
 """``KvPushConnector``: vLLM KV connector for push-mode P/D disaggregation over kvpush.
 
 Load it with ``--kv-transfer-config '{"kv_connector": "KvPushConnector",
-"kv_connector_module_path": "connector.push_connector", "kv_role": "kv_producer" | "kv_consumer",
-"engine_id": "...", "kv_connector_extra_config": {...}}'`` (see ``connector.config``).
+"kv_connector_module_path": "kvpush.connector.push_connector", "kv_role": "kv_producer" | "kv_consumer",
+"engine_id": "...", "kv_connector_extra_config": {...}}'`` (see ``kvpush.connector.config``).
 
 This module is imported in vLLM's API-server process at config time, so it imports nothing heavy:
 the agents (gRPC, NIXL) load when an engine process builds the connector.
@@ -33,9 +33,9 @@ if TYPE_CHECKING:
 class KvPushConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        from connector.config import ConnectorConfig
-        from connector.kv_layout import default_model_id
-        from services.common.logs import configure
+        from kvpush.connector.config import ConnectorConfig
+        from kvpush.connector.kv_layout import default_model_id
+        from kvpush.services.common.logs import configure
 
         configure()
         assert vllm_config.kv_transfer_config is not None
@@ -47,14 +47,14 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):
         self.decode_worker: Any = None
         self.prefill_worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
-            from connector.schedulers import DecodeScheduler, PrefillScheduler
+            from kvpush.connector.schedulers import DecodeScheduler, PrefillScheduler
 
             if self.cfg.role == "decode":
                 self.decode_sched = DecodeScheduler(self.cfg, vllm_config)
             else:
                 self.prefill_sched = PrefillScheduler(self.cfg, vllm_config)
         else:
-            from connector.workers import DecodeWorker, PrefillWorker
+            from kvpush.connector.workers import DecodeWorker, PrefillWorker
 
             if self.cfg.role == "decode":
                 self.decode_worker = DecodeWorker(self.cfg, model_id)
@@ -78,7 +78,7 @@ class KvPushConnector(KVConnectorBase_V1, SupportsHMA):
         return tuple(range(self._num_groups))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        from connector.messages import PushMetadata
+        from kvpush.connector.messages import PushMetadata
 
         if self.prefill_sched is not None:
             return self.prefill_sched.build_connector_meta(scheduler_output)

@@ -8,14 +8,14 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from connector.config import ConnectorConfig
+from kvpush.connector.config import ConnectorConfig
+from kvpush.services.common.grpc_util import CHANNEL_OPTIONS
+from kvpush.services.common.logs import get_logger
+from kvpush.services.common.security import Security
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from services.common.grpc_util import CHANNEL_OPTIONS
-from services.common.logs import get_logger
-from services.common.security import Security
 
-log = get_logger("connector.registration")
+log = get_logger("kvpush.connector.registration")
 
 
 class Registration:

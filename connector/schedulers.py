@@ -9,16 +9,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from connector.config import ConnectorConfig
-from connector.legs import LegGate
-from connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake
-from connector.registration import Registration
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.legs import LegGate
+from kvpush.connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake
+from kvpush.connector.registration import Registration
+from kvpush.services.common.logs import get_logger
+from kvpush.services.common.transfer_params import DecodeLeg, PrefillLeg
+from kvpush.services.decode_agent.agent import DecodeAgent, DecodeAgentConfig
 from kvpush.v1 import kvpush_pb2 as pb
-from services.common.logs import get_logger
-from services.common.transfer_params import DecodeLeg, PrefillLeg
-from services.decode_agent.agent import DecodeAgent, DecodeAgentConfig
 
-log = get_logger("connector.scheduler")
+log = get_logger("kvpush.connector.scheduler")
 
 
 def _engine_incarnation(handshakes: list[RankHandshake]) -> str:

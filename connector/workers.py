@@ -10,18 +10,18 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from connector.config import ConnectorConfig
-from connector.kv_layout import KvDescription, describe
-from connector.messages import PushMetadata, RankHandshake
-from services.common.layout import new_incarnation
-from services.common.logs import get_logger
-from services.common.nixl_engine import NixlEngine
-from services.decode_agent.barrier import Outcome, Released
-from services.decode_agent.rank import DecodeRank, DecodeRankConfig, create_rank
-from services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
-from services.prefill_agent.table import ReleaseBlocks
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.kv_layout import KvDescription, describe
+from kvpush.connector.messages import PushMetadata, RankHandshake
+from kvpush.services.common.layout import new_incarnation
+from kvpush.services.common.logs import get_logger
+from kvpush.services.common.nixl_engine import NixlEngine
+from kvpush.services.decode_agent.barrier import Outcome, Released
+from kvpush.services.decode_agent.rank import DecodeRank, DecodeRankConfig, create_rank
+from kvpush.services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
+from kvpush.services.prefill_agent.table import ReleaseBlocks
 
-log = get_logger("connector.worker")
+log = get_logger("kvpush.connector.worker")
 
 
 def _tp() -> tuple[int, int]:

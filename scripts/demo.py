@@ -15,8 +15,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvpush.services.common.vllm_server import complete
 from scripts.pd_cluster import REPO, Timed, make_model, pd_cluster
-from services.common.vllm_server import complete
 
 
 def main(argv: list[str] | None = None) -> int:

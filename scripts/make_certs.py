@@ -5,7 +5,7 @@ for ``scheduler``, each ``--frontend`` name and each engine given on the command
 ``ROLE/ENGINE_ID`` or an engine id starting with ``prefill`` or ``decode`` (default:
 ``prefill-0 decode-0``). Every certificate carries the URI SAN ``spiffe://kvpush/<role>/<name>``,
 DNS ``localhost``, IP ``127.0.0.1`` and each ``--host``; ECDSA P-256; keys are written 0600. Also the
-scheduler's leg-signing pair ``leg-signing.key`` / ``leg-signing.pub`` (services.common.leg_signing).
+scheduler's leg-signing pair ``leg-signing.key`` / ``leg-signing.pub`` (kvpush.services.common.leg_signing).
 
 Idempotent: an existing CA is kept (``--force`` replaces it and every certificate), and an existing
 certificate is kept when it is from this CA and already names every requested host. For tests,
@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from services.common.security import DECODE, FRONTEND, PREFILL, ROLES, SCHEDULER, spiffe_id
+from kvpush.services.common.security import DECODE, FRONTEND, PREFILL, ROLES, SCHEDULER, spiffe_id
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DIR = REPO / "certs"
@@ -212,10 +212,10 @@ def make_certs(
 
 
 def _leg_signing_keys(out: Path, force: bool) -> None:
-    """The scheduler's Ed25519 pair for signed kv_transfer_params legs (services.common.leg_signing),
+    """The scheduler's Ed25519 pair for signed kv_transfer_params legs (kvpush.services.common.leg_signing),
     kept like the CA unless ``force``."""
     try:
-        from services.common import leg_signing
+        from kvpush.services.common import leg_signing
     except ImportError:  # a tree without signed legs
         return
     if force or not (out / leg_signing.KEY_FILE).exists():

@@ -19,12 +19,12 @@ from typing import Any
 
 import grpc
 
+from kvpush.services.common.leg_signing import write_keypair
+from kvpush.services.common.security import Security, TlsFiles
+from kvpush.services.common.vllm_server import VllmServer, free_port
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from scripts.make_certs import make_certs
-from services.common.leg_signing import write_keypair
-from services.common.security import Security, TlsFiles
-from services.common.vllm_server import VllmServer, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,7 +32,7 @@ REPO = Path(__file__).resolve().parents[1]
 def connector_config(role: str, engine_id: str, scheduler: str, http_endpoint: str, **extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": "KvPushConnector",
-        "kv_connector_module_path": "connector.push_connector",
+        "kv_connector_module_path": "kvpush.connector.push_connector",
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "engine_id": engine_id,
         "kv_connector_extra_config": {"scheduler_address": scheduler, "http_endpoint": http_endpoint, **extra},
@@ -105,7 +105,7 @@ def start_scheduler(
         [
             sys.executable,
             "-m",
-            "services.scheduler.main",
+            "kvpush.services.scheduler.main",
             "--listen",
             address,
             "--lease-interval-ms",

@@ -11,12 +11,12 @@ from typing import Any
 
 import grpc
 
+from kvpush.services.common.security import Security
+from kvpush.services.scheduler.registry import LeaseConfig
+from kvpush.services.scheduler.server import SchedulerConfig, SchedulerServer
+from kvpush.services.scheduler.servicer import ServicerConfig
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from services.common.security import Security
-from services.scheduler.registry import LeaseConfig
-from services.scheduler.server import SchedulerConfig, SchedulerServer
-from services.scheduler.servicer import ServicerConfig
 
 WAIT_S = 5.0  # bound on every wait for an event in these tests
 

@@ -11,10 +11,10 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvpush.services.common.layout import RankRegions, Region, layout_message
+from kvpush.services.common.nixl_engine import NixlError
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from services.common.layout import RankRegions, Region, layout_message
-from services.common.nixl_engine import NixlError
 from tests.transfer_nodes import HEAD_BYTES, NUM_LAYERS, TOTAL_HEADS, shape
 
 NUM_BLOCKS = 64

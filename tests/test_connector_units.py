@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from connector.config import ConfigError, ConnectorConfig
-from connector.kv_layout import describe, merge_spans
-from connector.schedulers import DecodeScheduler, PrefillScheduler
-from connector.workers import PrefillWorker
-from services.common.transfer_params import DecodeLeg, PrefillLeg, to_params
-from services.prefill_agent.table import ReleaseBlocks
+from kvpush.connector.config import ConfigError, ConnectorConfig
+from kvpush.connector.kv_layout import describe, merge_spans
+from kvpush.connector.schedulers import DecodeScheduler, PrefillScheduler
+from kvpush.connector.workers import PrefillWorker
+from kvpush.services.common.transfer_params import DecodeLeg, PrefillLeg, to_params
+from kvpush.services.prefill_agent.table import ReleaseBlocks
 
 
 def _kv_cfg(role: str = "kv_producer", engine_id: str = "p0", **extra: Any) -> Any:
@@ -101,7 +101,7 @@ def test_prefill_scheduler_abort_before_kv_tells_the_agents() -> None:
     r = _Req("r2", 300, to_params(PrefillLeg("t2", "d")))
     s.update_state_after_alloc(r, None, 0)
     assert s.request_finished(r) == (False, None)
-    from connector.messages import AbortedPrefill
+    from kvpush.connector.messages import AbortedPrefill
 
     assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).aborted == [AbortedPrefill("t2", "d")]
     plain = _Req("r3", 10, None)
@@ -112,7 +112,7 @@ def test_prefill_scheduler_abort_before_kv_tells_the_agents() -> None:
 def test_prefill_worker_reports_only_finished_and_released_requests() -> None:
     w = PrefillWorker(ConnectorConfig(engine_id="p", role="prefill"), "m")
     w.agent = SimpleNamespace(prefill_done=lambda *a, **kw: None, prefill_aborted=lambda *a, **kw: None)  # type: ignore[assignment]
-    from connector.messages import FinishedPrefill, PushMetadata
+    from kvpush.connector.messages import FinishedPrefill, PushMetadata
 
     w.wait_for_save(PushMetadata(finished_prefills=[FinishedPrefill("t", "r", ((1,),), 5, "d")]))
     w._on_release(ReleaseBlocks("t", "r", "done"))
@@ -138,8 +138,8 @@ def test_decode_scheduler_claims_only_its_requests_once() -> None:
 def test_connector_processes_serve_prometheus_metrics() -> None:
     import urllib.request
 
-    from services.common.vllm_server import free_port
-    from services.decode_agent import metrics as decode_metrics
+    from kvpush.services.common.vllm_server import free_port
+    from kvpush.services.decode_agent import metrics as decode_metrics
 
     port = free_port()
     ConnectorConfig(engine_id="d", role="decode", metrics_base_port=port - 1).serve_metrics(1)
@@ -153,7 +153,7 @@ def test_connector_processes_serve_prometheus_metrics() -> None:
 def test_plugin_registers_the_connector_by_name_idempotently() -> None:
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    from connector.plugin import CONNECTOR_NAME, register
+    from kvpush.connector.plugin import CONNECTOR_NAME, register
 
     register()
     register()  # vLLM loads plugins once per process, but a second call must not raise

@@ -14,9 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvpush.services.common.vllm_server import VllmServer, complete
 from kvpush.v1 import kvpush_pb2 as pb
 from scripts.pd_cluster import PDCluster, pd_cluster
-from services.common.vllm_server import VllmServer, complete
 
 pytestmark = pytest.mark.vllm
 

@@ -8,10 +8,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.json_format import MessageToDict
 from test_scheduler_registry import spec
 
-from services.common import transfer_params
-from services.common.leg_signing import LegSigner, LegVerifier
-from services.scheduler import convert
-from services.scheduler.model import AssignmentRecord, Role
+from kvpush.services.common import transfer_params
+from kvpush.services.common.leg_signing import LegSigner, LegVerifier
+from kvpush.services.scheduler import convert
+from kvpush.services.scheduler.model import AssignmentRecord, Role
 
 
 def _rec(transfer_id: str, epoch: int, incarnations: tuple[str, ...] = ()) -> AssignmentRecord:

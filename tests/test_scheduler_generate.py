@@ -16,11 +16,11 @@ from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
 
+from kvpush.services.common import transfer_params
+from kvpush.services.scheduler.model import State
+from kvpush.services.scheduler.server import SchedulerConfig, SchedulerServer
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from services.common import transfer_params
-from services.scheduler.model import State
-from services.scheduler.server import SchedulerConfig, SchedulerServer
 
 
 @dataclass

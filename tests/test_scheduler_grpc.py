@@ -20,9 +20,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from scheduler_support import WAIT_S, FakeInstance, info, next_event, run, scheduler, wait_for
 
+from kvpush.services.common import transfer_params
+from kvpush.services.scheduler.main import config_from_args, parse_args
 from kvpush.v1 import kvpush_pb2 as pb
-from services.common import transfer_params
-from services.scheduler.main import config_from_args, parse_args
 
 EV = pb.InstanceEventKind
 
@@ -342,7 +342,7 @@ def test_main_process_sigterm(tmp_path: Path) -> None:
         "NOTIFY_SOCKET": str(tmp_path / "notify.sock"),
     }
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.scheduler.main"],
+        [sys.executable, "-m", "kvpush.services.scheduler.main"],
         env=env,
         stderr=subprocess.PIPE,
         text=True,

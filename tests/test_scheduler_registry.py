@@ -7,10 +7,10 @@ from collections import Counter
 
 import pytest
 
-from services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound
-from services.scheduler.model import Demand, EventKind, Instance, InstanceSpec, Load, Outcome, Role, State
-from services.scheduler.policy import LeastBusy, LeastPressure, PowerOfTwoChoices, PrefixAffinity, decode_policy
-from services.scheduler.registry import LeaseConfig, Registry
+from kvpush.services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound
+from kvpush.services.scheduler.model import Demand, EventKind, Instance, InstanceSpec, Load, Outcome, Role, State
+from kvpush.services.scheduler.policy import LeastBusy, LeastPressure, PowerOfTwoChoices, PrefixAffinity, decode_policy
+from kvpush.services.scheduler.registry import LeaseConfig, Registry
 
 
 def spec(engine_id: str, role: Role = Role.DECODE, inc: str = "i1", blocks: int = 1000, tp: int = 1) -> InstanceSpec:

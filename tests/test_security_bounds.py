@@ -15,12 +15,12 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
 
+from kvpush.services.common import limits
+from kvpush.services.decode_agent.rank import DecodeRank, DecodeRankConfig
+from kvpush.services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
+from kvpush.services.scheduler.generate import Chunk, OpenAIClient
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from services.common import limits
-from services.decode_agent.rank import DecodeRank, DecodeRankConfig
-from services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
-from services.scheduler.generate import Chunk, OpenAIClient
 from tests.security_support import (
     NUM_BLOCKS,
     FakeEngine,

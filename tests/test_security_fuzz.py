@@ -17,15 +17,15 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from kvpush.services.common.aio_thread import LoopThread
+from kvpush.services.decode_agent.barrier import BarrierState
+from kvpush.services.decode_agent.rank import DecodeRank, DecodeRankConfig
+from kvpush.services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
+from kvpush.services.scheduler.generate import Chunk, OpenAIClient
+from kvpush.services.scheduler.registry import LeaseConfig
+from kvpush.services.scheduler.server import SchedulerConfig, SchedulerServer
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from services.common.aio_thread import LoopThread
-from services.decode_agent.barrier import BarrierState
-from services.decode_agent.rank import DecodeRank, DecodeRankConfig
-from services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
-from services.scheduler.generate import Chunk, OpenAIClient
-from services.scheduler.registry import LeaseConfig
-from services.scheduler.server import SchedulerConfig, SchedulerServer
 from tests.security_support import FakeEngine, decode_layout, hello, regions, serving
 from tests.transfer_nodes import shape
 

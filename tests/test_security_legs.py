@@ -1,7 +1,7 @@
 """Scheduler-signed legs and hostile ``kv_transfer_params``.
 
 Unit and property tests of the contract (``transfer_params.parse`` is total and bounded), of the
-signatures (``leg_signing``), of the connector's gate (``connector.legs``: a refused leg is served
+signatures (``leg_signing``), of the connector's gate (``kvpush.connector.legs``: a refused leg is served
 as on a plain instance and nothing is dialed), of the scheduler's flags; then one real-vLLM test
 that posts hostile bodies to a prefill and a decode vLLM and checks that both stay healthy and
 still serve through the scheduler.
@@ -33,14 +33,14 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from connector import legs as connector_legs
-from connector.config import ConfigError, ConnectorConfig
-from connector.legs import LegGate, leg_verifier
-from connector.schedulers import DecodeScheduler, PrefillScheduler
-from services.common import transfer_params as tp
-from services.common.leg_signing import LegRefused, LegSigner, LegVerifier, check_leg, write_keypair
-from services.common.transfer_params import DecodeLeg, LegError, PrefillLeg, parse, to_params
-from services.scheduler.main import leg_signer_from_args, parse_args
+from kvpush.connector import legs as connector_legs
+from kvpush.connector.config import ConfigError, ConnectorConfig
+from kvpush.connector.legs import LegGate, leg_verifier
+from kvpush.connector.schedulers import DecodeScheduler, PrefillScheduler
+from kvpush.services.common import transfer_params as tp
+from kvpush.services.common.leg_signing import LegRefused, LegSigner, LegVerifier, check_leg, write_keypair
+from kvpush.services.common.transfer_params import DecodeLeg, LegError, PrefillLeg, parse, to_params
+from kvpush.services.scheduler.main import leg_signer_from_args, parse_args
 
 NOW = 1_700_000_000.0
 
@@ -369,7 +369,7 @@ def test_keypair_files_and_cli(tmp_path: Path) -> None:
         LegVerifier.from_file(key)  # the private half is not a public key
     with pytest.raises(ValueError, match="leg signing key"):
         LegSigner.from_file(tmp_path / "missing.key")
-    cli = [sys.executable, "-m", "services.common.leg_signing", "keygen", str(tmp_path / "c")]
+    cli = [sys.executable, "-m", "kvpush.services.common.leg_signing", "keygen", str(tmp_path / "c")]
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run(cli, capture_output=True, text=True, timeout=60, cwd=root)
     assert out.returncode == 0, out.stderr
@@ -613,8 +613,8 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 def test_hostile_kv_transfer_params_do_not_crash_engines(cluster: Any) -> None:
     from google.protobuf.json_format import MessageToDict
 
+    from kvpush.services.common.vllm_server import complete, model_name
     from kvpush.v1 import kvpush_pb2 as pb
-    from services.common.vllm_server import complete, model_name
 
     assert cluster.scheduler.leg_signing_key is not None
     signer = LegSigner.from_file(cluster.scheduler.leg_signing_key)

@@ -23,12 +23,9 @@ import pytest
 from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from connector.config import ConfigError, ConnectorConfig
-from connector.registration import Registration
-from kvpush.v1 import kvpush_pb2 as pb
-from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from scripts.make_certs import make_certs
-from services.common.security import (
+from kvpush.connector.config import ConfigError, ConnectorConfig
+from kvpush.connector.registration import Registration
+from kvpush.services.common.security import (
     DECODE_RANK_POLICY,
     PREFILL_AGENT_POLICY,
     SCHEDULER_POLICY,
@@ -40,7 +37,10 @@ from services.common.security import (
     decide,
     parse_spiffe_id,
 )
-from services.scheduler.main import parse_args, security_from_args
+from kvpush.services.scheduler.main import parse_args, security_from_args
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from scripts.make_certs import make_certs
 from tests.scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
 from tests.transfer_nodes import Cluster, shape, start_cluster
 

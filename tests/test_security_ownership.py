@@ -54,8 +54,8 @@ class Intruder:
     def __init__(self, endpoint: str, engine_id: str = "intruder", num_blocks: int = 64) -> None:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-        from services.common.layout import layout_message
-        from services.common.nixl_engine import NixlEngine
+        from kvpush.services.common.layout import layout_message
+        from kvpush.services.common.nixl_engine import NixlEngine
 
         self.pool = Pool.create(num_blocks, TOTAL_HEADS)
         regions = self.pool.regions()
@@ -372,9 +372,9 @@ class _FakeDecodeAgent:
 
 
 def test_decode_scheduler_computes_a_duplicate_locally_and_never_touches_the_first() -> None:
-    from connector.config import ConnectorConfig
-    from connector.schedulers import DecodeScheduler
-    from services.common.transfer_params import DecodeLeg, to_params
+    from kvpush.connector.config import ConnectorConfig
+    from kvpush.connector.schedulers import DecodeScheduler
+    from kvpush.services.common.transfer_params import DecodeLeg, to_params
 
     s = DecodeScheduler(ConnectorConfig(engine_id="d", role="decode", insecure=True), _vllm_cfg())
     agent = _FakeDecodeAgent()
@@ -393,9 +393,9 @@ def test_decode_scheduler_computes_a_duplicate_locally_and_never_touches_the_fir
 
 
 def test_prefill_scheduler_serves_a_duplicate_plainly() -> None:
-    from connector.config import ConnectorConfig
-    from connector.schedulers import PrefillScheduler
-    from services.common.transfer_params import PrefillLeg, to_params
+    from kvpush.connector.config import ConnectorConfig
+    from kvpush.connector.schedulers import PrefillScheduler
+    from kvpush.services.common.transfer_params import PrefillLeg, to_params
 
     s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill", insecure=True), _vllm_cfg())
     s._kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([1, 2, 3, 4],))
@@ -410,9 +410,9 @@ def test_prefill_scheduler_serves_a_duplicate_plainly() -> None:
 
 
 def test_decode_worker_reports_only_ok_as_a_successful_load() -> None:
-    from connector.config import ConnectorConfig
-    from connector.workers import DecodeWorker
-    from services.decode_agent.barrier import Outcome, Released
+    from kvpush.connector.config import ConnectorConfig
+    from kvpush.connector.workers import DecodeWorker
+    from kvpush.services.decode_agent.barrier import Outcome, Released
 
     w = DecodeWorker(ConnectorConfig(engine_id="d", role="decode", insecure=True), "m")
     rels = [
@@ -430,20 +430,20 @@ def test_decode_worker_reports_only_ok_as_a_successful_load() -> None:
 
 
 def _r(engine: str, tid: str = "t", epoch: int = 1, blocks: tuple[int, ...] = (10, 11), peer: str = "") -> Any:
-    from services.prefill_agent.table import Reservation
+    from kvpush.services.prefill_agent.table import Reservation
 
     return Reservation(peer or f"{engine}/stream", tid, epoch, (blocks,), 32, 0, lease_s=5.0, decode_engine=engine)
 
 
 def _d(engine: str, tid: str = "t", request_id: str = "req", blocks: tuple[int, ...] = (1, 2)) -> Any:
-    from services.prefill_agent.table import PrefillDone
+    from kvpush.services.prefill_agent.table import PrefillDone
 
     return PrefillDone(tid, request_id, (blocks,), 32, decode_engine=engine)
 
 
 def test_table_keys_transfers_by_decode_engine() -> None:
-    from services.common.refusal import RefusalCode
-    from services.prefill_agent.table import AckCancel, PrefillState, Reject, StartWrite, TransferTable
+    from kvpush.services.common.refusal import RefusalCode
+    from kvpush.services.prefill_agent.table import AckCancel, PrefillState, Reject, StartWrite, TransferTable
 
     t = TransferTable()
     assert t.on_reservation(_r("A", blocks=(10, 11)), 0) == []
@@ -464,7 +464,7 @@ def test_table_keys_transfers_by_decode_engine() -> None:
 
 
 def test_table_refuses_a_duplicate_prefill_done_in_every_state() -> None:
-    from services.prefill_agent.table import PrefillState, ReleaseBlocks, TransferTable
+    from kvpush.services.prefill_agent.table import PrefillState, ReleaseBlocks, TransferTable
 
     t = TransferTable()
     t.on_prefill_done(_d("A", request_id="first"), 0)  # WAITING_RESERVATION
@@ -481,8 +481,8 @@ def test_table_refuses_a_duplicate_prefill_done_in_every_state() -> None:
 
 
 def test_table_bounds_per_decode_engine() -> None:
-    from services.common.refusal import RefusalCode
-    from services.prefill_agent.table import AckCancel, Reject, TransferTable
+    from kvpush.services.common.refusal import RefusalCode
+    from kvpush.services.prefill_agent.table import AckCancel, Reject, TransferTable
 
     t = TransferTable(max_open_per_decode=2, max_entries_per_decode=3)
     assert t.on_reservation(_r("E", tid="a"), 0) == [] and t.on_reservation(_r("E", tid="b"), 0) == []
@@ -503,8 +503,8 @@ def test_table_bounds_per_decode_engine() -> None:
 
 
 def test_barrier_refuses_a_duplicate_request_and_still_releases_it_failed() -> None:
-    from services.common.refusal import RefusalCode
-    from services.decode_agent.barrier import BarrierTable, CompletionError, Outcome
+    from kvpush.services.common.refusal import RefusalCode
+    from kvpush.services.decode_agent.barrier import BarrierTable, CompletionError, Outcome
 
     b = BarrierTable()
     b.expect("t", 1, "first", [0], "P", 0)
@@ -537,9 +537,9 @@ def test_pure_modules_import_no_grpc() -> None:
 
     code = (
         "import sys\n"
-        "import services.prefill_agent.table, services.prefill_agent.plan, services.decode_agent.barrier\n"
-        "import services.decode_agent.transfers, services.common.tp, services.common.limits\n"
-        "import services.common.refusal\n"
+        "import kvpush.services.prefill_agent.table, kvpush.services.prefill_agent.plan, kvpush.services.decode_agent.barrier\n"
+        "import kvpush.services.decode_agent.transfers, kvpush.services.common.tp, kvpush.services.common.limits\n"
+        "import kvpush.services.common.refusal\n"
         "assert not [m for m in sys.modules if m == 'grpc' or m.startswith('grpc.')], 'grpc imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

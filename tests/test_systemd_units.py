@@ -92,7 +92,7 @@ def test_vllm_units_kv_transfer_config(unit: str, env: str, role: str) -> None:
     (raw,) = re.findall(r"'([^']*)'", expanded)
     config = json.loads(raw)
     assert config["kv_connector"] == "KvPushConnector"
-    assert config["kv_connector_module_path"] == "connector.push_connector"
+    assert config["kv_connector_module_path"] == "kvpush.connector.push_connector"
     assert config["kv_role"] == role and config["engine_id"] == values["KVPUSH_ENGINE_ID"]
     extra = config["kv_connector_extra_config"]
     assert extra["scheduler_address"] == values["KVPUSH_SCHEDULER_ADDRESS"]
@@ -100,7 +100,7 @@ def test_vllm_units_kv_transfer_config(unit: str, env: str, role: str) -> None:
     assert extra["agent_base_port"] == int(values["KVPUSH_AGENT_BASE_PORT"])
     assert extra["http_endpoint"].endswith(":" + values["KVPUSH_VLLM_PORT"])
     # The connector accepts exactly this config (it refuses unknown extra keys).
-    from connector.config import ConnectorConfig
+    from kvpush.connector.config import ConnectorConfig
 
     cfg = ConnectorConfig.from_vllm(SimpleNamespace(**config))
     assert cfg.role == ("prefill" if role == "kv_producer" else "decode")
@@ -120,7 +120,7 @@ def test_wait_http(tmp_path: Path) -> None:
     import http.server
     import threading
 
-    from services.common import wait_http
+    from kvpush.services.common import wait_http
 
     class Health(http.server.BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802
@@ -143,7 +143,7 @@ def test_wait_http(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "services.common.wait_http",
+            "kvpush.services.common.wait_http",
             "--timeout",
             "0.2",
             "--interval",
@@ -160,7 +160,7 @@ def test_wait_http(tmp_path: Path) -> None:
 
 def test_scheduler_env_matches_flags() -> None:
     """Every variable in scheduler.env is one the scheduler reads."""
-    from services.scheduler.main import ENV_PREFIX, parse_args
+    from kvpush.services.scheduler.main import ENV_PREFIX, parse_args
 
     flags = {a.replace("-", "_") for a in vars(parse_args([]))}
     for key in _env_file(ROOT / "deploy/systemd/env/scheduler.env"):

@@ -6,13 +6,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.common.layout import ModelShape, RankRegions, Region
-from services.common.refusal import RefusalCode
-from services.common.tp import TopologyError, head_slices, prefill_ranks_into, slices_from_prefill_rank
-from services.decode_agent.barrier import BarrierTable, CompletionError, Outcome
-from services.decode_agent.transfers import DecodeState, DecodeTransfer
-from services.prefill_agent.plan import BlockRun, PlanError, merge_runs, plan_writes
-from services.prefill_agent.table import (
+from kvpush.services.common.layout import ModelShape, RankRegions, Region
+from kvpush.services.common.refusal import RefusalCode
+from kvpush.services.common.tp import TopologyError, head_slices, prefill_ranks_into, slices_from_prefill_rank
+from kvpush.services.decode_agent.barrier import BarrierTable, CompletionError, Outcome
+from kvpush.services.decode_agent.transfers import DecodeState, DecodeTransfer
+from kvpush.services.prefill_agent.plan import BlockRun, PlanError, merge_runs, plan_writes
+from kvpush.services.prefill_agent.table import (
     AckCancel,
     PrefillDone,
     PrefillState,

@@ -13,7 +13,7 @@ import time
 import aiohttp
 import pytest
 
-from services.common.vllm_server import VllmServer, acomplete, complete
+from kvpush.services.common.vllm_server import VllmServer, acomplete, complete
 
 pytestmark = pytest.mark.vllm
 log = logging.getLogger(__name__)

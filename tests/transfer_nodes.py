@@ -26,7 +26,7 @@ TOKENS_PER_BLOCK = 16
 
 
 def shape() -> Any:
-    from services.common.layout import ModelShape
+    from kvpush.services.common.layout import ModelShape
 
     return ModelShape(
         model="pattern-test",
@@ -62,7 +62,7 @@ class Pool:
         return cls(arr, heads)
 
     def regions(self) -> Any:
-        from services.common.layout import RankRegions, Region
+        from kvpush.services.common.layout import RankRegions, Region
 
         stride = self.array.shape[2]
         return RankRegions(
@@ -85,7 +85,7 @@ TLS_DIR_ENV = "KVPUSH_TEST_TLS_DIR"
 
 
 def _security(engine_id: str) -> Any:
-    from services.common.security import Security, TlsFiles
+    from kvpush.services.common.security import Security, TlsFiles
 
     tls_dir = os.environ.get(TLS_DIR_ENV, "")
     return Security.mtls(TlsFiles.in_dir(tls_dir, engine_id)) if tls_dir else None
@@ -127,8 +127,8 @@ def prefill_node(
     otherwise; by default the cluster's (``prefill<tag>`` pairs with ``decode<tag>``)."""
     _env()
     decode_engine_id = decode_engine_id or engine_id.replace("prefill", "decode", 1)
-    from services.common.nixl_engine import NixlEngine
-    from services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
+    from kvpush.services.common.nixl_engine import NixlEngine
+    from kvpush.services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
 
     heads = TOTAL_HEADS // tp_size
     pool = Pool.create(num_blocks, heads)
@@ -282,11 +282,11 @@ class _Outcomes:
 
 def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int, auth: str, grace_s: float) -> None:
     _env()
-    from services.common.nixl_engine import NixlEngine
-    from services.common.transfer_params import DecodeLeg
-    from services.decode_agent.agent import DecodeAgent, DecodeAgentConfig, Settled
-    from services.decode_agent.barrier import Released
-    from services.decode_agent.rank import DecodeRankConfig, create_rank
+    from kvpush.services.common.nixl_engine import NixlEngine
+    from kvpush.services.common.transfer_params import DecodeLeg
+    from kvpush.services.decode_agent.agent import DecodeAgent, DecodeAgentConfig, Settled
+    from kvpush.services.decode_agent.barrier import Released
+    from kvpush.services.decode_agent.rank import DecodeRankConfig, create_rank
 
     heads = TOTAL_HEADS // tp_size
     outcomes = _Outcomes(tp_size)

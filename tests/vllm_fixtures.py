@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 
-from services.common.vllm_server import VllmServer, VllmServerError
+from kvpush.services.common.vllm_server import VllmServer, VllmServerError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 READY_TIMEOUT_S = float(os.environ.get("KVPUSH_VLLM_READY_TIMEOUT", "240"))

@@ -9,9 +9,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvpush.services.common.limits import MAX_MESSAGE_BYTES  # a larger message: RESOURCE_EXHAUSTED
+from kvpush.services.common.security import Rule, Security
 from kvpush.v1 import kvpush_pb2
-from services.common.limits import MAX_MESSAGE_BYTES  # a larger message: RESOURCE_EXHAUSTED
-from services.common.security import Rule, Security
 
 # Keep channels alive across idle periods and notice dead peers within seconds.
 CHANNEL_OPTIONS: list[tuple[str, int]] = [

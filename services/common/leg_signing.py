@@ -5,7 +5,7 @@ connector holds the public key (``LegVerifier``) and refuses a leg that is unsig
 expired or not for its engine before it dials or reserves anything (docs/security.md).
 
 Key files are PEM: PKCS#8 for the private key, SubjectPublicKeyInfo for the public key. Make a pair
-with ``python -m services.common.leg_signing keygen DIR`` (or ``write_keypair``; ``make certs``
+with ``python -m kvpush.services.common.leg_signing keygen DIR`` (or ``write_keypair``; ``make certs``
 calls it): ``DIR/leg-signing.key`` (mode 0600) and ``DIR/leg-signing.pub``.
 """
 
@@ -27,8 +27,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from services.common.logs import get_logger
-from services.common.transfer_params import DecodeLeg, Leg, LegError, PrefillLeg, canonical_bytes
+from kvpush.services.common.logs import get_logger
+from kvpush.services.common.transfer_params import DecodeLeg, Leg, LegError, PrefillLeg, canonical_bytes
 
 KEY_FILE = "leg-signing.key"
 PUB_FILE = "leg-signing.pub"
@@ -196,7 +196,7 @@ def _write(path: Path, data: bytes, mode: int) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m services.common.leg_signing", description="Ed25519 key pair for scheduler-signed legs"
+        prog="python -m kvpush.services.common.leg_signing", description="Ed25519 key pair for scheduler-signed legs"
     )
     sub = p.add_subparsers(dest="command", required=True)
     keygen = sub.add_parser("keygen", help=f"write DIR/{KEY_FILE} (0600) and DIR/{PUB_FILE}")

@@ -22,8 +22,8 @@ from typing import Any
 
 import grpc
 
+from kvpush.services.common.logs import get_logger
 from kvpush.v1 import kvpush_pb2 as pb
-from services.common.logs import get_logger
 
 
 def _log() -> Any:

@@ -6,7 +6,7 @@ there, so ``parse`` is total: every value is type- and bounds-checked, and anyth
 ``LegError`` (a ``ValueError``) and nothing else.
 
 A leg minted by a scheduler with a signing key carries ``expires_at`` and ``sig``: an Ed25519
-signature over ``canonical_bytes(leg)``, every field but ``sig`` (``services.common.leg_signing``).
+signature over ``canonical_bytes(leg)``, every field but ``sig`` (``kvpush.services.common.leg_signing``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from services.common import limits
+from kvpush.services.common import limits
 
 KEY = "kvpush"
 

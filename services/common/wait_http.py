@@ -1,6 +1,6 @@
 """Waits until an HTTP endpoint answers 200, e.g. a vLLM server's /health (systemd ExecStartPost).
 
-``python -m services.common.wait_http [--timeout S] [--interval S] URL``: exit 0 once a GET of URL
+``python -m kvpush.services.common.wait_http [--timeout S] [--interval S] URL``: exit 0 once a GET of URL
 returns 200, exit 1 when ``--timeout`` passes first. Standard library only.
 """
 

@@ -19,18 +19,18 @@ from typing import Any
 
 import grpc
 
+from kvpush.services.common import limits
+from kvpush.services.common.aio_thread import LoopThread
+from kvpush.services.common.grpc_util import CHANNEL_OPTIONS
+from kvpush.services.common.layout import ModelShape, engine_identity
+from kvpush.services.common.logs import get_logger
+from kvpush.services.common.security import Security
+from kvpush.services.common.tp import prefill_ranks_into
+from kvpush.services.common.transfer_params import DecodeLeg
+from kvpush.services.decode_agent import metrics
+from kvpush.services.decode_agent.transfers import DecodeState, DecodeTransfer
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from services.common import limits
-from services.common.aio_thread import LoopThread
-from services.common.grpc_util import CHANNEL_OPTIONS
-from services.common.layout import ModelShape, engine_identity
-from services.common.logs import get_logger
-from services.common.security import Security
-from services.common.tp import prefill_ranks_into
-from services.common.transfer_params import DecodeLeg
-from services.decode_agent import metrics
-from services.decode_agent.transfers import DecodeState, DecodeTransfer
 
 log = get_logger("decode.agent")
 

@@ -20,8 +20,8 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from services.common import limits
-from services.common.refusal import RefusalCode
+from kvpush.services.common import limits
+from kvpush.services.common.refusal import RefusalCode
 
 
 class BarrierState(enum.Enum):

@@ -18,18 +18,18 @@ from dataclasses import dataclass
 
 import grpc
 
+from kvpush.services.common import limits
+from kvpush.services.common.aio_thread import LoopThread
+from kvpush.services.common.grpc_util import start_aio_server
+from kvpush.services.common.handoff import Handoff
+from kvpush.services.common.layout import ModelShape, RankRegions, layout_message
+from kvpush.services.common.logs import get_logger
+from kvpush.services.common.nixl_engine import NixlEngine
+from kvpush.services.common.security import DECODE_RANK_POLICY, PREFILL, Security, claim_problem, peer_identity
+from kvpush.services.decode_agent import metrics
+from kvpush.services.decode_agent.barrier import BarrierTable, CompletionError, Outcome, Released
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from services.common import limits
-from services.common.aio_thread import LoopThread
-from services.common.grpc_util import start_aio_server
-from services.common.handoff import Handoff
-from services.common.layout import ModelShape, RankRegions, layout_message
-from services.common.logs import get_logger
-from services.common.nixl_engine import NixlEngine
-from services.common.security import DECODE_RANK_POLICY, PREFILL, Security, claim_problem, peer_identity
-from services.decode_agent import metrics
-from services.decode_agent.barrier import BarrierTable, CompletionError, Outcome, Released
 
 log = get_logger("decode.rank")
 

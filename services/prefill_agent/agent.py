@@ -18,16 +18,14 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvpush.v1 import kvpush_pb2 as pb
-from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from services.common import limits
-from services.common.aio_thread import LoopThread
-from services.common.grpc_util import CHANNEL_OPTIONS, start_aio_server
-from services.common.handoff import Handoff
-from services.common.layout import ModelShape, RankRegions, engine_identity
-from services.common.logs import get_logger
-from services.common.nixl_engine import NixlEngine
-from services.common.security import (
+from kvpush.services.common import limits
+from kvpush.services.common.aio_thread import LoopThread
+from kvpush.services.common.grpc_util import CHANNEL_OPTIONS, start_aio_server
+from kvpush.services.common.handoff import Handoff
+from kvpush.services.common.layout import ModelShape, RankRegions, engine_identity
+from kvpush.services.common.logs import get_logger
+from kvpush.services.common.nixl_engine import NixlEngine
+from kvpush.services.common.security import (
     DECODE,
     PREFILL_AGENT_POLICY,
     PeerIdentity,
@@ -35,9 +33,11 @@ from services.common.security import (
     claim_problem,
     peer_identity,
 )
-from services.common.tp import TopologyError, head_slices
-from services.prefill_agent.table import PrefillDone, ReleaseBlocks, Reservation, TransferTable
-from services.prefill_agent.writer import CompletionReport, PeerSession, PushWriter
+from kvpush.services.common.tp import TopologyError, head_slices
+from kvpush.services.prefill_agent.table import PrefillDone, ReleaseBlocks, Reservation, TransferTable
+from kvpush.services.prefill_agent.writer import CompletionReport, PeerSession, PushWriter
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
 log = get_logger("prefill.agent")
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from services.common.layout import RankRegions, Region
-from services.common.tp import HeadSlice
+from kvpush.services.common.layout import RankRegions, Region
+from kvpush.services.common.tp import HeadSlice
 
 
 class PlanError(ValueError):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from services.common import limits
-from services.common.refusal import RefusalCode
+from kvpush.services.common import limits
+from kvpush.services.common.refusal import RefusalCode
 
 
 class PrefillState(enum.Enum):

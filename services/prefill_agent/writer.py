@@ -19,15 +19,14 @@ from typing import Any
 
 import grpc
 
-from kvpush.v1 import kvpush_pb2 as pb
-from services.common.layout import RankRegions, regions_of
-from services.common.logs import get_logger
-from services.common.nixl_engine import NixlEngine, NixlError
-from services.common.refusal import RefusalCode
-from services.common.tp import HeadSlice, slices_from_prefill_rank
-from services.prefill_agent import metrics
-from services.prefill_agent.plan import PlanError, WritePlan, check_block_ids, plan_writes
-from services.prefill_agent.table import (
+from kvpush.services.common.layout import RankRegions, regions_of
+from kvpush.services.common.logs import get_logger
+from kvpush.services.common.nixl_engine import NixlEngine, NixlError
+from kvpush.services.common.refusal import RefusalCode
+from kvpush.services.common.tp import HeadSlice, slices_from_prefill_rank
+from kvpush.services.prefill_agent import metrics
+from kvpush.services.prefill_agent.plan import PlanError, WritePlan, check_block_ids, plan_writes
+from kvpush.services.prefill_agent.table import (
     AckCancel,
     Action,
     PrefillDone,
@@ -37,6 +36,7 @@ from services.prefill_agent.table import (
     StartWrite,
     TransferTable,
 )
+from kvpush.v1 import kvpush_pb2 as pb
 
 log = get_logger("prefill.writer")
 

@@ -8,11 +8,10 @@ from typing import Any
 
 from google.protobuf import struct_pb2
 
-from kvpush.v1 import kvpush_pb2 as pb
-from services.common import transfer_params
-from services.common.leg_signing import LegSigner
-from services.scheduler.errors import InvalidArgument
-from services.scheduler.model import (
+from kvpush.services.common import transfer_params
+from kvpush.services.common.leg_signing import LegSigner
+from kvpush.services.scheduler.errors import InvalidArgument
+from kvpush.services.scheduler.model import (
     AssignmentRecord,
     Event,
     EventKind,
@@ -22,6 +21,7 @@ from services.scheduler.model import (
     Outcome,
     Role,
 )
+from kvpush.v1 import kvpush_pb2 as pb
 
 _ROLE_FROM_PB = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
 _ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}

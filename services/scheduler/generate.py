@@ -14,9 +14,9 @@ from typing import Any
 
 import aiohttp
 
-from services.common.leg_signing import LegSigner
-from services.scheduler.convert import leg_params
-from services.scheduler.model import AssignmentRecord
+from kvpush.services.common.leg_signing import LegSigner
+from kvpush.services.scheduler.convert import leg_params
+from kvpush.services.scheduler.model import AssignmentRecord
 
 _UNAVAILABLE_HTTP = {502, 503, 504}
 _MAX_BODY = 2000

@@ -11,13 +11,13 @@ from collections.abc import Sequence
 
 import sdnotify
 
-from services.common import logs
-from services.common.leg_signing import LegSigner
-from services.common.security import Security, SecurityError, TlsFiles
-from services.scheduler.policy import DECODE_POLICIES
-from services.scheduler.registry import LeaseConfig
-from services.scheduler.server import SchedulerConfig, SchedulerServer
-from services.scheduler.servicer import ServicerConfig
+from kvpush.services.common import logs
+from kvpush.services.common.leg_signing import LegSigner
+from kvpush.services.common.security import Security, SecurityError, TlsFiles
+from kvpush.services.scheduler.policy import DECODE_POLICIES
+from kvpush.services.scheduler.registry import LeaseConfig
+from kvpush.services.scheduler.server import SchedulerConfig, SchedulerServer
+from kvpush.services.scheduler.servicer import ServicerConfig
 
 ENV_PREFIX = "KVPUSH_SCHEDULER_"
 
@@ -93,7 +93,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=_env("LEG_SIGNING_KEY", ""),
         metavar="FILE",
         help="Ed25519 private key (PEM) that signs every kv_transfer_params leg; connectors verify with the "
-        "public key (python -m services.common.leg_signing keygen DIR). Required unless --insecure",
+        "public key (python -m kvpush.services.common.leg_signing keygen DIR). Required unless --insecure",
     )
     p.add_argument(
         "--leg-ttl-s",
@@ -147,7 +147,7 @@ def leg_signer_from_args(args: argparse.Namespace) -> LegSigner | None:
         raise SystemExit(
             f"kvpush-scheduler: refusing to start without --leg-signing-key ({ENV_PREFIX}LEG_SIGNING_KEY): "
             "connectors verify every kv_transfer_params leg with its public key. Make a pair with "
-            "`python -m services.common.leg_signing keygen DIR`, or pass --insecure for unsigned legs"
+            "`python -m kvpush.services.common.leg_signing keygen DIR`, or pass --insecure for unsigned legs"
         )
     return None
 

@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from services.scheduler.model import Role
-from services.scheduler.registry import Registry
+from kvpush.services.scheduler.model import Role
+from kvpush.services.scheduler.registry import Registry
 
 _LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0)
 

@@ -6,7 +6,7 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-from services.common import limits
+from kvpush.services.common import limits
 
 
 class Role(enum.Enum):

@@ -8,7 +8,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from services.scheduler.model import Demand, Instance
+from kvpush.services.scheduler.model import Demand, Instance
 
 
 class DecodePolicy(Protocol):

@@ -19,8 +19,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound
-from services.scheduler.model import (
+from kvpush.services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound
+from kvpush.services.scheduler.model import (
     AssignmentRecord,
     Demand,
     Event,
@@ -32,7 +32,7 @@ from services.scheduler.model import (
     Role,
     State,
 )
-from services.scheduler.policy import DecodePolicy, LeastBusy, PowerOfTwoChoices, PrefillPolicy
+from kvpush.services.scheduler.policy import DecodePolicy, LeastBusy, PowerOfTwoChoices, PrefillPolicy
 
 _OUTCOME_STATE = {Outcome.OK: State.OK, Outcome.FAILED: State.FAILED, Outcome.CANCELLED: State.CANCELLED}
 

@@ -10,16 +10,16 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2
 
+from kvpush.services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, service_name
+from kvpush.services.common.leg_signing import LegSigner
+from kvpush.services.common.logs import get_logger
+from kvpush.services.common.security import SCHEDULER_POLICY, Security
+from kvpush.services.scheduler.generate import OpenAIClient
+from kvpush.services.scheduler.metrics import Metrics
+from kvpush.services.scheduler.policy import LeastBusy, decode_policy
+from kvpush.services.scheduler.registry import LeaseConfig, Registry
+from kvpush.services.scheduler.servicer import SchedulerServicer, ServicerConfig
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, service_name
-from services.common.leg_signing import LegSigner
-from services.common.logs import get_logger
-from services.common.security import SCHEDULER_POLICY, Security
-from services.scheduler.generate import OpenAIClient
-from services.scheduler.metrics import Metrics
-from services.scheduler.policy import LeastBusy, decode_policy
-from services.scheduler.registry import LeaseConfig, Registry
-from services.scheduler.servicer import SchedulerServicer, ServicerConfig
 
 PROBE_PERIOD_S = 0.2
 PROBE_TIMEOUT_S = 2.0

@@ -10,18 +10,18 @@ from typing import Any, NoReturn
 
 import grpc
 
+from kvpush.services.common import limits
+from kvpush.services.common.leg_signing import LegSigner
+from kvpush.services.common.logs import get_logger
+from kvpush.services.common.security import ROLE_NAMES, claim_problem, peer_identity
+from kvpush.services.scheduler import convert
+from kvpush.services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound, SchedulerError
+from kvpush.services.scheduler.generate import AssignmentLost, GenerateParams, LegError, OpenAIClient, run_legs
+from kvpush.services.scheduler.metrics import Metrics
+from kvpush.services.scheduler.model import AssignmentRecord, Demand, Event, EventKind, Outcome, State
+from kvpush.services.scheduler.registry import Registry
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-from services.common import limits
-from services.common.leg_signing import LegSigner
-from services.common.logs import get_logger
-from services.common.security import ROLE_NAMES, claim_problem, peer_identity
-from services.scheduler import convert
-from services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound, SchedulerError
-from services.scheduler.generate import AssignmentLost, GenerateParams, LegError, OpenAIClient, run_legs
-from services.scheduler.metrics import Metrics
-from services.scheduler.model import AssignmentRecord, Demand, Event, EventKind, Outcome, State
-from services.scheduler.registry import Registry
 
 _CODES: dict[type[SchedulerError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
