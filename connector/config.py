@@ -53,6 +53,9 @@ class ConnectorConfig:
     transfer_timeout_s: float = 120.0
     prefill_lease_s: float = 30.0
     reservation_lease_ms: int = 30_000
+    # Decode: times a failed transfer is moved to another prefill (Scheduler.Reroute) before vLLM's
+    # kv_load_failure_policy decides; 0 turns retry elsewhere off. Needs scheduler_address.
+    max_reroutes: int = 1
     poll_interval_us: float = 100.0
     # NIXL UCX backend's error handling: "" keeps NIXL's default ("peer": dead peers detected on
     # every transport); "none" lets cma WRITEs complete without the target calling into NIXL.

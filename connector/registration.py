@@ -80,4 +80,4 @@ class Registration:
                 channel.close()
             if self._stop.wait(backoff):
                 return
-            backoff = min(backoff * 2, 5.0)
+            backoff = min(backoff * 2, 2.0)  # a restarted scheduler hears from everyone within ~2 s

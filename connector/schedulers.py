@@ -16,6 +16,7 @@ from kvpush.connector.registration import Registration
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.transfer_params import DecodeLeg, PrefillLeg
 from kvpush.services.decode_agent.agent import DecodeAgent, DecodeAgentConfig
+from kvpush.services.decode_agent.reroute import Rerouter
 from kvpush.v1 import kvpush_pb2 as pb
 
 log = get_logger("kvpush.connector.scheduler")
@@ -87,13 +88,22 @@ class DecodeScheduler:
                 max_fence_s=self.cfg.max_fence_s,
                 transfer_timeout_s=self.cfg.transfer_timeout_s,
                 reservation_lease_ms=self.cfg.reservation_lease_ms,
+                max_reroutes=self.cfg.max_reroutes,
                 security=self.cfg.security(f"decode-agent {self.cfg.engine_id}"),
             ),
             [pb.RankLayout.FromString(h.layout) for h in ranks],
             incarnation=_engine_incarnation(ranks),
+            rerouter=self._rerouter(),
         ).start()
         self.cfg.serve_metrics(0)
         self.registration = register(self.cfg, pb.ROLE_DECODE, self.tp_size, ranks, self._load)
+
+    def _rerouter(self) -> Rerouter | None:
+        """Retry elsewhere through the scheduler, when there is one and it is not turned off."""
+        if not self.cfg.scheduler_address or self.cfg.max_reroutes <= 0:
+            return None
+        security = self.cfg.security(f"decode-reroute {self.cfg.engine_id}")
+        return Rerouter(self.cfg.scheduler_address, self.cfg.engine_id, security, self.legs.verifier)
 
     def _load(self) -> pb.LoadReport:
         free = self._kv_cache_manager.block_pool.get_num_free_blocks() if self._kv_cache_manager else 0
@@ -144,7 +154,15 @@ class DecodeScheduler:
         skip = len(every[0]) - len(new[0])
         # A duplicate that got here anyway (claimed before the holder reserved) is refused by the
         # agent and fails through its ranks, never as a successful load.
-        epoch = self.agent.reserve(leg.transfer_id, rid, leg, [list(g) for g in new], request.num_prompt_tokens, skip)
+        epoch = self.agent.reserve(
+            leg.transfer_id,
+            rid,
+            leg,
+            [list(g) for g in new],
+            request.num_prompt_tokens,
+            skip,
+            prompt_token_ids=request.prompt_token_ids,
+        )
         self._reserved[rid] = (leg.transfer_id, epoch)
         self._holders.setdefault(leg.transfer_id, rid)
         self._unfilled[rid] = sum(len(g) for g in new)

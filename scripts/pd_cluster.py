@@ -8,6 +8,7 @@ Used by the demo, the end-to-end tests and the benchmarks. Each vLLM gets its ow
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -54,6 +55,7 @@ class SchedulerProcess:
     leg_public_key: Path | None = None
     # mTLS: the `make certs` directory (scheduler, frontend and engine certificates); None: plaintext.
     cert_dir: Path | None = None
+    argv: list[str] = field(default_factory=list)  # how it was started, for restart()
 
     def connector_extra(self, role: str = "", engine_id: str = "") -> dict[str, Any]:
         """The kv_connector_extra_config keys that make a connector verify this scheduler's legs
@@ -75,6 +77,15 @@ class SchedulerProcess:
         if self.cert_dir is None:
             return Security.insecure(f"client of {self.address}")
         return Security.mtls(TlsFiles.in_dir(self.cert_dir, name))
+
+    def restart(self) -> None:
+        """SIGKILLs the scheduler and starts it again on the same address, keys and certificates;
+        returns once it accepts connections. Its in-memory state (registry, assignments) is lost."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = _spawn(self.argv, self.log_path)
+        _wait_accepting(self)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -100,35 +111,38 @@ def start_scheduler(
     key = pub = None
     if sign_legs:
         key, pub = write_keypair(log_dir / "leg-keys", overwrite=True)
-    log = log_path.open("ab")
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvpush.services.scheduler.main",
-            "--listen",
-            address,
-            "--lease-interval-ms",
-            str(lease_interval_ms),
-            "--metrics-port",
-            "0",
-            *(["--leg-signing-key", str(key)] if key is not None else []),
-            *(_tls_flags(TlsFiles.in_dir(cert_dir, "scheduler")) if cert_dir is not None else []),
-            *(["--insecure"] if key is None or cert_dir is None else []),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        cwd=REPO,
-    )
-    sched = SchedulerProcess(address, proc, log_path, key, pub, cert_dir)
-    ch = sched.security().sync_channel(address)
+    argv = [
+        sys.executable,
+        "-m",
+        "kvpush.services.scheduler.main",
+        "--listen",
+        address,
+        "--lease-interval-ms",
+        str(lease_interval_ms),
+        "--metrics-port",
+        "0",
+        *(["--leg-signing-key", str(key)] if key is not None else []),
+        *(_tls_flags(TlsFiles.in_dir(cert_dir, "scheduler")) if cert_dir is not None else []),
+        *(["--insecure"] if key is None or cert_dir is None else []),
+    ]
+    sched = SchedulerProcess(address, _spawn(argv, log_path), log_path, key, pub, cert_dir, argv)
+    _wait_accepting(sched)
+    return sched
+
+
+def _spawn(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True, cwd=REPO
+        )
+
+
+def _wait_accepting(sched: SchedulerProcess, timeout_s: float = 60.0) -> None:
+    ch = sched.security().sync_channel(sched.address)
     try:
-        grpc.channel_ready_future(ch).result(timeout=60)
+        grpc.channel_ready_future(ch).result(timeout=timeout_s)
     finally:
         ch.close()
-    return sched
 
 
 def _tls_flags(files: TlsFiles) -> list[str]:
@@ -148,9 +162,12 @@ class PDCluster:
     prefill: VllmServer
     decode: VllmServer
     baseline: VllmServer | None
+    # Every prefill instance (``prefill`` is the first); engine ids prefill-0, prefill-1, ...
+    prefills: list[VllmServer] = field(default_factory=list)
     channel: grpc.Channel = field(init=False)
 
     def __post_init__(self) -> None:
+        self.prefills = self.prefills or [self.prefill]
         self.channel = self.scheduler.security().sync_channel(self.scheduler.address)
         self.stub = pb_grpc.SchedulerStub(self.channel)
 
@@ -158,8 +175,8 @@ class PDCluster:
         deadline = time.monotonic() + timeout_s
         while True:
             live = [s for s in self.stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances if s.alive]
-            roles = {s.instance.role for s in live}
-            if {pb.ROLE_PREFILL, pb.ROLE_DECODE} <= roles:
+            prefills = sum(s.instance.role == pb.ROLE_PREFILL for s in live)
+            if prefills >= len(self.prefills) and any(s.instance.role == pb.ROLE_DECODE for s in live):
                 return live
             if time.monotonic() > deadline:
                 raise TimeoutError(f"instances did not register within {timeout_s} s: {live}")
@@ -188,7 +205,7 @@ class PDCluster:
 
     def stop(self) -> None:
         self.channel.close()
-        for srv in (self.prefill, self.decode, self.baseline):
+        for srv in (*self.prefills, self.decode, self.baseline):
             if srv is not None:
                 srv.stop()
         self.scheduler.stop()
@@ -207,9 +224,11 @@ def pd_cluster(
     env: dict[str, str] | None = None,
     max_model_len: int = 1024,
     cert_dir: Path | None = None,
+    prefills: int = 1,
 ) -> Iterator[PDCluster]:
-    """``prefill_tp``/``decode_tp`` > 1 spread that instance's ranks over all cores. Every gRPC hop
-    uses mTLS with certificates from ``cert_dir`` (made if missing; default ``log_dir/certs``)."""
+    """``prefill_tp``/``decode_tp`` > 1 spread that instance's ranks over all cores; ``prefills``
+    instances of prefill (prefill-0, prefill-1, ...). Every gRPC hop uses mTLS with certificates from
+    ``cert_dir`` (made if missing; default ``log_dir/certs``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     cores = sorted(os.sched_getaffinity(0))
     sched = start_scheduler(log_dir, cert_dir=cert_dir)
@@ -220,7 +239,10 @@ def pd_cluster(
         **(env or {}),
     }
     try:
-        for i, (role, tp) in enumerate([("prefill", prefill_tp), ("decode", decode_tp)]):
+        instances = [("prefill", f"prefill-{k}", prefill_tp) for k in range(prefills)] + [
+            ("decode", "decode-0", decode_tp)
+        ]
+        for i, (role, engine_id, tp) in enumerate(instances):
             port = free_port()
             core = cores[i % len(cores)]
             bind = str(core) if tp == 1 else "|".join(str(cores[r % len(cores)]) for r in range(tp))
@@ -232,14 +254,14 @@ def pd_cluster(
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 kv_transfer_config=connector_config(
                     role,
-                    f"{role}-0",
+                    engine_id,
                     sched.address,
                     f"http://127.0.0.1:{port}",
-                    **{**sched.connector_extra(role, f"{role}-0"), **(extra or {})},
+                    **{**sched.connector_extra(role, engine_id), **(extra or {})},
                 ),
                 env={**env_common, "VLLM_CPU_OMP_THREADS_BIND": bind},
                 extra_args=["--tensor-parallel-size", str(tp)] if tp > 1 else [],
-                log_path=log_dir / f"{role}.log",
+                log_path=log_dir / f"{engine_id if role == 'prefill' and prefills > 1 else role}.log",
                 ready_timeout=None,
             )
             servers.append((srv.start(), core if tp == 1 else -1))
@@ -261,7 +283,9 @@ def pd_cluster(
         for srv, core in servers:
             if core >= 0:
                 srv.pin_to_cpu(core)
-        cluster = PDCluster(sched, servers[0][0], servers[1][0], baseline)
+        cluster = PDCluster(
+            sched, servers[0][0], servers[prefills][0], baseline, prefills=[srv for srv, _ in servers[:prefills]]
+        )
         cluster.wait_registered()
         yield cluster
     finally:

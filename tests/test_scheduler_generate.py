@@ -158,28 +158,48 @@ def test_generate_streams_tokens_and_releases_ok() -> None:
     run(body())
 
 
-@pytest.mark.parametrize(
-    ("failing", "status", "code"),
-    [
-        ("prefill", 500, grpc.StatusCode.INTERNAL),
-        ("decode", 503, grpc.StatusCode.UNAVAILABLE),
-    ],
-)
-def test_generate_http_error_fails_and_aborts_other_leg(failing: str, status: int, code: grpc.StatusCode) -> None:
+def test_generate_decode_http_error_fails_and_aborts_the_prefill_leg() -> None:
     async def body() -> None:
-        # The healthy leg hangs, so the failure must abort it.
-        bad = FakeVllm(failing, status=status)
-        good = FakeVllm("decode" if failing == "prefill" else "prefill", hang=True)
-        legs = {"prefill": bad, "decode": good} if failing == "prefill" else {"prefill": good, "decode": bad}
-        async with cluster(**legs, interval_s=1.0) as (server, stub, _p, _d, _):
+        # The healthy prefill leg hangs, so the failure must abort it.
+        bad = FakeVllm("decode", status=503)
+        good = FakeVllm("prefill", hang=True)
+        async with cluster(prefill=good, decode=bad, interval_s=1.0) as (server, stub, _p, _d, _):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async for _ in stub.Generate(_req(), timeout=WAIT_S):
                     pass
-            assert e.value.code() == code
-            assert f"{failing} leg" in e.value.details() and "out of cheese" in e.value.details()
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "decode leg" in e.value.details() and "out of cheese" in e.value.details()
             await asyncio.wait_for(good.disconnected.wait(), WAIT_S)
             (rec,) = server.registry.closed.values()
             assert rec.state is State.FAILED and "out of cheese" in rec.reason
+
+    run(body())
+
+
+def test_generate_prefill_http_error_leaves_the_answer_to_decode() -> None:
+    """The decode engine holds the reservation and reroutes or fails the request itself: a failed
+    prefill leg alone does not end the call; a decode failure after it names both."""
+
+    async def body() -> None:
+        async with cluster(prefill=FakeVllm("prefill", status=500), decode=FakeVllm("decode"), interval_s=1.0) as (
+            server,
+            stub,
+            _p,
+            _d,
+            _,
+        ):
+            tokens = [t for m in [m async for m in stub.Generate(_req(), timeout=WAIT_S)] for t in m.token_ids]
+            assert tokens  # decode answered: the request succeeded
+            (rec,) = server.registry.closed.values()
+            assert rec.state is State.OK
+        async with cluster(
+            prefill=FakeVllm("prefill", status=500), decode=FakeVllm("decode", status=500), interval_s=1.0
+        ) as (server, stub, _p, _d, _):
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stub.Generate(_req(), timeout=WAIT_S):
+                    pass
+            assert e.value.code() == grpc.StatusCode.INTERNAL
+            assert "after the prefill leg failed" in e.value.details()
 
     run(body())
 

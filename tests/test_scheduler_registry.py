@@ -56,6 +56,31 @@ def events(reg: Registry) -> list[tuple[EventKind, str, str]]:
     return out
 
 
+def test_reroute_moves_the_prefill_leg_once_per_failure(reg: Registry) -> None:
+    for name in ("p1", "p2", "p3"):
+        reg.register(spec(name, Role.PREFILL))
+    reg.register(spec("d"))
+    rec = reg.assign(Demand(10))
+    first, first_epoch = rec.prefill.engine_id, rec.epoch
+    with pytest.raises(NotFound):
+        reg.reroute("unknown", "d", first, max_reroutes=3)
+    with pytest.raises(FailedPrecondition):
+        reg.reroute(rec.transfer_id, "other-decode", first, max_reroutes=3)
+    moved, did = reg.reroute(rec.transfer_id, "d", first, max_reroutes=3)
+    assert did and moved is rec and rec.prefill.engine_id != first and rec.epoch > first_epoch
+    assert rec.transfer_id in reg.instances[rec.prefill.engine_id].open
+    assert rec.transfer_id not in reg.instances[first].open
+    again, did = reg.reroute(rec.transfer_id, "d", first, max_reroutes=3)  # a repeated report
+    assert not did and again.prefill.engine_id == rec.prefill.engine_id
+    second = rec.prefill.engine_id
+    _, did = reg.reroute(rec.transfer_id, "d", second, max_reroutes=3)
+    assert did and rec.prefill.engine_id not in (first, second)
+    with pytest.raises(FailedPrecondition, match="already tried"):
+        reg.reroute(rec.transfer_id, "d", rec.prefill.engine_id, max_reroutes=3)
+    # The frontend releases with the epoch Assign gave it.
+    assert reg.release(rec.transfer_id, first_epoch, Outcome.OK).state is State.OK
+
+
 def test_register_validates(reg: Registry) -> None:
     with pytest.raises(InvalidArgument, match="engine_id"):
         reg.register(spec(""))
@@ -96,13 +121,17 @@ def test_lease_expiry(reg: Registry, clock: Clock) -> None:
     assert reg.expire() == []
     clock.t += 0.06  # p: 0.31 s since registration > 3 x 0.1 s; d: 0.06 s since its report
     assert [i.engine_id for i in reg.expire()] == ["p"]
-    assert rec.state is State.FAILED and "lease expired" in rec.reason
+    # The decode engine still holds the reservation: it reroutes or fails, so the record stays open.
+    assert rec.state is State.OPEN and "lease expired" in rec.prefill_lost
     assert (EventKind.DEAD, "p", "i1") in seen
     assert reg.next_expiry() == pytest.approx(clock.t - 0.06 + 0.3)
     with pytest.raises(NotFound):
         reg.report("p", "i1", Load())
-    # Release of an assignment failed under it: idempotent, keeps the failure.
-    assert reg.release(rec.transfer_id, rec.epoch, Outcome.OK).state is State.FAILED
+    # With no other prefill, Reroute says so; the decode engine then fails the request and the
+    # frontend releases.
+    with pytest.raises(NoCapacity):
+        reg.reroute(rec.transfer_id, "d", "p", max_reroutes=2)
+    assert reg.release(rec.transfer_id, rec.epoch, Outcome.FAILED).state is State.FAILED
 
 
 def test_stream_closed(reg: Registry) -> None:

@@ -118,7 +118,7 @@ def _spray(address: str) -> None:
 
 def test_policies_and_decisions() -> None:
     """Every method of every service has a rule; the rule table says who may call what."""
-    assert len(SCHEDULER_POLICY) == 7 and len(PREFILL_AGENT_POLICY) == 1 and len(DECODE_RANK_POLICY) == 3
+    assert len(SCHEDULER_POLICY) == 8 and len(PREFILL_AGENT_POLICY) == 1 and len(DECODE_RANK_POLICY) == 3
     register = SCHEDULER_POLICY["/kvpush.v1.Scheduler/Register"]
     assign = SCHEDULER_POLICY["/kvpush.v1.Scheduler/Assign"]
     complete = DECODE_RANK_POLICY["/kvpush.v1.DecodeRank/Complete"]

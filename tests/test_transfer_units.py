@@ -9,7 +9,7 @@ import pytest
 from kvpush.services.common.layout import ModelShape, RankRegions, Region
 from kvpush.services.common.refusal import RefusalCode
 from kvpush.services.common.tp import TopologyError, head_slices, prefill_ranks_into, slices_from_prefill_rank
-from kvpush.services.decode_agent.barrier import BarrierTable, CompletionError, Outcome
+from kvpush.services.decode_agent.barrier import BarrierState, BarrierTable, CompletionError, Outcome
 from kvpush.services.decode_agent.transfers import DecodeState, DecodeTransfer
 from kvpush.services.prefill_agent.plan import BlockRun, PlanError, merge_runs, plan_writes
 from kvpush.services.prefill_agent.table import (
@@ -225,12 +225,46 @@ def test_barrier_releases_when_all_ranks_ok_and_is_idempotent() -> None:
     assert b.complete("t", 1, 1, "P", True, "", 0) is None  # duplicate after release
 
 
-def test_barrier_fails_once_every_rank_reported() -> None:
+def test_barrier_failure_waits_for_the_agent_to_settle() -> None:
     b = BarrierTable()
     b.expect("t", 1, "r", [0, 1], "P", 0)
     assert b.complete("t", 1, 0, "P", False, "boom", 0) is None
-    rel = b.complete("t", 1, 1, "P", True, "", 0)
-    assert rel is not None and rel.outcome is Outcome.FAILED and "boom" in rel.reason
+    assert b.complete("t", 1, 1, "P", True, "", 0) is None  # every rank reported: still held
+    barrier = b.get("t")
+    assert barrier is not None and barrier.state is BarrierState.FAILING
+    rel = b.settle("t", 1, Outcome.FAILED, "fenced", 0)
+    assert rel is not None and rel.outcome is Outcome.FAILED and b.pending_count() == 0
+
+
+def test_barrier_retry_epoch_replaces_a_failing_barrier() -> None:
+    b = BarrierTable()
+    b.expect("t", 1, "r", [0], "P", 0)
+    assert b.complete("t", 1, 0, "P", False, "WRITE failed", 0) is None
+    b.expect("t", 5, "r", [0, 1], "P2", 0)  # the agent fenced epoch 1 and retries on P2
+    assert b.pending_count() == 1
+    with pytest.raises(CompletionError) as e:
+        b.complete("t", 1, 0, "P", True, "", 0)  # the failed prefill's late word
+    assert e.value.code is RefusalCode.FAILED_PRECONDITION
+    assert b.complete("t", 5, 0, "P2", True, "", 0) is None
+    rel = b.complete("t", 5, 1, "P2", True, "", 0)
+    assert rel is not None and rel.outcome is Outcome.OK and rel.epoch == 5 and b.pending_count() == 0
+
+
+def test_barrier_refuses_a_retry_where_the_transfer_completed() -> None:
+    b = BarrierTable()
+    b.expect("t", 1, "r", [0], "P", 0)
+    assert b.complete("t", 1, 0, "P", True, "", 0) is not None
+    with pytest.raises(CompletionError) as e:
+        b.expect("t", 2, "r", [0], "P2", 0)
+    assert e.value.code is RefusalCode.FAILED_PRECONDITION
+
+
+def test_barrier_retry_from_another_request_is_refused() -> None:
+    b = BarrierTable()
+    b.expect("t", 1, "r", [0], "P", 0)
+    with pytest.raises(CompletionError) as e:
+        b.expect("t", 2, "other-request", [0], "P2", 0)
+    assert e.value.code is RefusalCode.ALREADY_EXISTS
 
 
 def test_barrier_settle_releases_and_later_completions_error() -> None:
@@ -260,13 +294,6 @@ def test_barrier_bad_completions(tid: str, epoch: int, rank: int, engine: str, c
     with pytest.raises(CompletionError) as e:
         b.complete(tid, epoch, rank, engine, True, "", 0)
     assert e.value.code is code
-
-
-def test_barrier_refuses_new_epoch_while_old_open() -> None:
-    b = BarrierTable()
-    b.expect("t", 1, "r", [0], "P", 0)
-    with pytest.raises(CompletionError):
-        b.expect("t", 2, "r", [0], "P", 0)
 
 
 # ----- decode fence --------------------------------------------------------------------------

@@ -271,6 +271,7 @@ SCHEDULER_POLICY = _policy(
         "Watch": _rule(FRONTEND),
         "Assign": _rule(FRONTEND),
         "Release": _rule(FRONTEND),
+        "Reroute": _rule(DECODE),
         "Generate": _rule(FRONTEND),
     },
 )

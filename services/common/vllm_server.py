@@ -212,6 +212,13 @@ class VllmServer:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=min(poll_interval, max(deadline - time.monotonic(), 0.0)))
 
+    def kill(self) -> None:
+        """SIGKILLs the whole process group at once, as a crash would (then reaps it like ``stop``)."""
+        if self._proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._proc.pid, signal.SIGKILL)
+            self.stop(timeout=10.0)
+
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM the process group, wait up to ``timeout`` for all of it, then SIGKILL what is left.
 

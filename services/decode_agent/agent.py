@@ -5,6 +5,12 @@ with every decode rank and publishes the reservation on one long-lived stream pe
 (many transfers multiplexed). ``cancel`` and failures (a rejection, a lost stream) run the fence:
 Cancel to every prefill rank that got the reservation, and settle the decode ranks only after
 each acked or its stream stayed lost for the grace period.
+
+Retry elsewhere: a transfer that failed before decode started (its prefill died or is cut off, a
+WRITE failed, the prefill refused it) asks the scheduler for another prefill (``Rerouter``) while
+its fence runs. Once fenced, the same blocks are published under a new epoch to the new prefill and
+the request never notices; with no other prefill the ranks are settled FAILED as before, and vLLM's
+``kv_load_failure_policy`` decides.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,11 +34,17 @@ from kvpush.services.common.security import Security
 from kvpush.services.common.tp import prefill_ranks_into
 from kvpush.services.common.transfer_params import DecodeLeg
 from kvpush.services.decode_agent import metrics
+from kvpush.services.decode_agent.reroute import RerouteAsk, Rerouter, RerouteRefused
 from kvpush.services.decode_agent.transfers import DecodeState, DecodeTransfer
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
 log = get_logger("decode.agent")
+
+# Rejections no other prefill would answer differently: the request's own leg or id is at fault.
+_FINAL_REJECTIONS = frozenset(
+    {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED}
+)
 
 
 @dataclass
@@ -53,6 +65,8 @@ class DecodeAgentConfig:
     connect_timeout_s: float = 5.0
     rpc_timeout_s: float = 5.0
     settle_retry_s: float = 30.0  # a Settle the rank did not take is retried with backoff this long
+    # Times one request's transfer is moved to another prefill after a failure (needs a Rerouter).
+    max_reroutes: int = 1
     # mTLS for the channels to this engine's decode ranks and to the prefill agents (with this
     # engine's decode certificate). None: plaintext (tests, logged).
     security: Security | None = None
@@ -84,6 +98,10 @@ class _Pending:
     expected: asyncio.Future[Any] | None = None  # the ranks' Expect calls
     deadline: asyncio.TimerHandle | None = None  # transfer_timeout_s after publishing
     gone: asyncio.Event = field(default_factory=asyncio.Event)  # set when forgotten
+    prompt_token_ids: Sequence[int] = ()  # for a retry elsewhere
+    attempt: int = 0  # reroutes before this epoch
+    reroute: asyncio.Task[DecodeLeg | None] | None = None  # asked while the fence runs
+    cancelled: str = ""  # the host cancelled while a reroute was pending: settle, do not retry
 
 
 @dataclass
@@ -117,6 +135,7 @@ class DecodeAgent:
         rank_layouts: list[pb.RankLayout],
         incarnation: str | None = None,
         on_settled: Callable[[Settled], None] | None = None,
+        rerouter: Rerouter | None = None,
     ) -> None:
         if [r.tp_rank for r in rank_layouts] != list(range(config.tp_size)):
             raise ValueError(f"need the layouts of decode ranks 0..{config.tp_size - 1}")
@@ -125,11 +144,15 @@ class DecodeAgent:
         self.identity = engine_identity(config.engine_id, pb.ROLE_DECODE, config.tp_size, config.shape, incarnation)
         self.rank_layouts = rank_layouts
         self.on_settled = on_settled
+        self.rerouter = rerouter
         self._epochs = itertools.count(1)
         self._loop = LoopThread("kvpush-decode-agent")
         # Keyed by (transfer_id, epoch): a superseded epoch stays here until its fence settles.
         self._transfers: dict[tuple[str, int], _Pending] = {}
         self._latest: dict[str, int] = {}  # transfer_id -> newest epoch
+        # (transfer_id, epoch) of a rerouted transfer -> the epoch that took over (the host keeps
+        # naming the epoch reserve() returned); entries go when the successor is forgotten.
+        self._moved: dict[str, dict[int, int]] = {}
         self._links: dict[str, PrefillLink] = {}
         self._lost: dict[str, float] = {}  # endpoint -> grace deadline of its last lost stream
         self._rank_channels: list[grpc.aio.Channel] = []
@@ -164,6 +187,8 @@ class DecodeAgent:
                 link.task.cancel()
         for ch in self._rank_channels:
             await ch.close()
+        if self.rerouter is not None:
+            await self.rerouter.close()
 
     # ----- host-facing API (thread-safe, non-blocking) -----------------------------------
 
@@ -175,8 +200,10 @@ class DecodeAgent:
         block_ids: list[list[int]],
         num_tokens: int,
         num_skip_blocks: int = 0,
+        prompt_token_ids: Sequence[int] = (),
     ) -> int:
-        """Publishes decode blocks reserved for ``transfer_id``; returns the epoch at once."""
+        """Publishes decode blocks reserved for ``transfer_id``; returns the epoch at once.
+        ``prompt_token_ids`` (read only if the transfer fails) lets it be retried elsewhere."""
         epoch = next(self._epochs)
         transfer = DecodeTransfer(
             transfer_id=transfer_id,
@@ -188,6 +215,7 @@ class DecodeAgent:
             reserved_at=time.monotonic(),
         )
         pending = _Pending(transfer, leg, block_ids, num_tokens, num_skip_blocks, time.monotonic())
+        pending.prompt_token_ids = prompt_token_ids
         self._loop.call_soon(self._start_publish, pending)
         return epoch
 
@@ -335,12 +363,12 @@ class DecodeAgent:
                 except TimeoutError:
                     link.error = link.error or f"no HelloAck from {endpoint} within {self.config.connect_timeout_s}s"
             if not link.ready.is_set() or link.lost.is_set():
-                self._fence(p, DecodeState.FAILED, f"prefill rank {endpoint} unreachable: {link.error}")
+                self._fence(p, DecodeState.FAILED, f"prefill rank {endpoint} unreachable: {link.error}", retry=True)
                 return
             if t.state is not DecodeState.RESERVED and t.state is not DecodeState.PUBLISHED:
                 return
             if not self._send(link, msg):
-                self._fence(p, DecodeState.FAILED, f"prefill rank {endpoint} does not read its stream")
+                self._fence(p, DecodeState.FAILED, f"prefill rank {endpoint} does not read its stream", retry=True)
                 return
             t.links = (*t.links, endpoint)
             t.mark_published(time.monotonic())
@@ -516,7 +544,7 @@ class DecodeAgent:
                 log.warning("rejection_ignored", endpoint=link.endpoint, transfer_id=tid, epoch=r.epoch, code=code.name)
                 return
             log.warning("reservation_rejected", transfer_id=tid, epoch=r.epoch, code=code.name, reason=message)
-            self._fence(p, DecodeState.FAILED, f"{code.name}: {message}")
+            self._fence(p, DecodeState.FAILED, f"{code.name}: {message}", retry=code not in _FINAL_REJECTIONS)
         elif kind == "drain":
             log.info("prefill_draining", endpoint=link.endpoint, reason=msg.drain.reason)
 
@@ -539,24 +567,37 @@ class DecodeAgent:
                 t.on_link_lost(link.endpoint, deadline)
                 self._maybe_settle(p)
             else:
-                self._fence(p, DecodeState.FAILED, f"stream to prefill rank {link.endpoint} lost: {link.error}")
+                reason = f"stream to prefill rank {link.endpoint} lost: {link.error}"
+                self._fence(p, DecodeState.FAILED, reason, retry=True)
 
     # ----- fence --------------------------------------------------------------------------
 
+    def _resolve(self, transfer_id: str, epoch: int | None) -> _Pending | None:
+        """The transfer the host means by (transfer_id, epoch): after a retry elsewhere, the epoch
+        that took over from the one reserve() returned."""
+        if epoch is None:
+            return self._current(transfer_id)
+        moved = self._moved.get(transfer_id, {})
+        while (transfer_id, epoch) not in self._transfers and epoch in moved:
+            epoch = moved[epoch]
+        return self._transfers.get((transfer_id, epoch))
+
     def _fence_by_id(self, transfer_id: str, epoch: int | None, outcome: DecodeState, reason: str) -> None:
-        p = self._current(transfer_id) if epoch is None else self._transfers.get((transfer_id, epoch))
+        p = self._resolve(transfer_id, epoch)
         if p is None:
             return
+        if outcome is DecodeState.CANCELLED:
+            p.cancelled = reason  # the request ended: never retried from here on
         self._fence(p, outcome, reason)
 
-    def _fence(self, p: _Pending, outcome: DecodeState, reason: str) -> None:
+    def _fence(self, p: _Pending, outcome: DecodeState, reason: str, retry: bool = False) -> None:
         t = p.transfer
         if t.settled:
             return
         if p.task is not None and not p.task.done() and t.state is DecodeState.RESERVED:
             # Still registering with the ranks: fence once that finished, so a settlement never
             # overtakes its expectation.
-            p.task.add_done_callback(lambda _: self._fence(p, outcome, reason))
+            p.task.add_done_callback(lambda _: self._fence(p, outcome, reason, retry))
             if t.fence_outcome is None:
                 t.reason = reason
             return
@@ -574,8 +615,71 @@ class DecodeAgent:
                 t.on_link_lost(endpoint, max(now, link.fenced_after(self.config.grace_s)))
         if first:
             log.info("fence_started", transfer_id=t.transfer_id, epoch=t.epoch, outcome=outcome.value, reason=reason)
+            if retry and outcome is DecodeState.FAILED and self._may_reroute(p):
+                # Asked now, so the new prefill computes while the failed one is fenced.
+                p.reroute = asyncio.get_running_loop().create_task(self._ask_reroute(p, reason))
         p.reserve_called = now if first else p.reserve_called
         self._maybe_settle(p)
+
+    def _may_reroute(self, p: _Pending) -> bool:
+        return (
+            self.rerouter is not None
+            and p.reroute is None
+            and not p.cancelled
+            and p.attempt < self.config.max_reroutes
+            and len(p.prompt_token_ids) > 0
+        )
+
+    async def _ask_reroute(self, p: _Pending, reason: str) -> DecodeLeg | None:
+        t = p.transfer
+        assert self.rerouter is not None
+        ask = RerouteAsk(t.transfer_id, p.leg.prefill_engine_id, reason, p.prompt_token_ids)
+        try:
+            return await self.rerouter.reroute(ask)
+        except RerouteRefused as exc:
+            metrics.REROUTES.labels(result="refused").inc()
+            log.warning("reroute_refused", transfer_id=t.transfer_id, epoch=t.epoch, reason=str(exc))
+        except Exception as exc:  # the fence must conclude whatever the scheduler does
+            metrics.REROUTES.labels(result="error").inc()
+            log.error("reroute_error", transfer_id=t.transfer_id, epoch=t.epoch, error=f"{type(exc).__name__}: {exc}")
+        return None
+
+    async def _conclude(self, p: _Pending, state: DecodeState) -> None:
+        """The epoch is fenced: publish the same blocks to the new prefill, or settle the ranks."""
+        leg = await p.reroute if p.reroute is not None else None
+        if leg is not None and state is DecodeState.FAILED and not p.cancelled:
+            self._retry(p, leg)
+            return
+        if leg is not None:
+            metrics.REROUTES.labels(result="dropped").inc()  # cancelled meanwhile
+        await self._settle_ranks(p, state)
+
+    def _retry(self, old: _Pending, leg: DecodeLeg) -> None:
+        t = old.transfer
+        transfer = DecodeTransfer(
+            transfer_id=t.transfer_id,
+            epoch=next(self._epochs),
+            request_id=t.request_id,
+            prefill_engine_id=leg.prefill_engine_id,
+            links=(),
+            num_blocks=t.num_blocks,
+            reserved_at=t.reserved_at,
+        )
+        new = _Pending(transfer, leg, old.block_ids, old.num_tokens, old.num_skip_blocks, time.monotonic())
+        new.prompt_token_ids, new.attempt = old.prompt_token_ids, old.attempt + 1
+        self._forget(old, retried=True)
+        self._moved.setdefault(t.transfer_id, {})[t.epoch] = transfer.epoch
+        metrics.REROUTES.labels(result="retried").inc()
+        log.info(
+            "transfer_retried",
+            transfer_id=t.transfer_id,
+            epoch=t.epoch,
+            new_epoch=transfer.epoch,
+            failed_prefill=old.leg.prefill_engine_id,
+            prefill=leg.prefill_engine_id,
+            reason=t.reason,
+        )
+        self._start_publish(new)
 
     def _maybe_settle(self, p: _Pending) -> None:
         t = p.transfer
@@ -589,7 +693,7 @@ class DecodeAgent:
             return
         state = t.settle()
         metrics.FENCE_SECONDS.observe(now - p.reserve_called)
-        asyncio.get_running_loop().create_task(self._settle_ranks(p, state))
+        asyncio.get_running_loop().create_task(self._conclude(p, state))
 
     async def _settle_ranks(self, p: _Pending, state: DecodeState) -> None:
         t = p.transfer
@@ -635,7 +739,7 @@ class DecodeAgent:
                 backoff = min(backoff * 2, 1.0)
 
     def _finished(self, transfer_id: str, epoch: int | None) -> None:
-        p = self._current(transfer_id) if epoch is None else self._transfers.get((transfer_id, epoch))
+        p = self._resolve(transfer_id, epoch)
         if p is None:
             return
         if p.transfer.complete():
@@ -643,11 +747,13 @@ class DecodeAgent:
             self._forget(p)
         # A transfer being fenced finishes through its fence (the acks follow within milliseconds).
 
-    def _forget(self, p: _Pending) -> None:
+    def _forget(self, p: _Pending, retried: bool = False) -> None:
         t = p.transfer
         if p.deadline is not None:
             p.deadline.cancel()
         self._transfers.pop((t.transfer_id, t.epoch), None)
         if self._latest.get(t.transfer_id) == t.epoch:
             del self._latest[t.transfer_id]
+            if not retried:
+                self._moved.pop(t.transfer_id, None)
         p.gone.set()

@@ -2,10 +2,11 @@
 
 A decode rank learns from its agent which prefill ranks will write a transfer (``expect``), then
 collects one completion per prefill rank. It releases the transfer:
-- OK when every expected rank reported OK;
-- FAILED as soon as a rank reported a failure and every other expected rank has reported too
-  (a failed rank stops writing; the others finish their WRITEs within milliseconds), or
+- OK when every expected rank reported OK, or
 - on the agent's ``settle``, which it sends only once no WRITE for the epoch can still land.
+A failed completion only marks the barrier FAILING: the agent (told by the prefill rank on its
+stream) fences the epoch and then either settles it, or sends the expectation of a newer epoch of
+the same request, written by another prefill engine (retry elsewhere), which replaces this one.
 Duplicates are idempotent; unknown transfers, stale epochs and unexpected ranks are errors.
 
 A transfer id belongs to one decode request: an expectation for it from another request, while
@@ -109,10 +110,11 @@ class BarrierTable:
         if b is not None and epoch == b.epoch:
             return
         self._refused.pop((transfer_id, epoch), None)  # this (transfer, epoch) is a barrier's now
+        if b is None or b.state is BarrierState.RELEASED:
+            self._pending += 1  # else a retry of the same request replaces its open barrier
         self._barriers[transfer_id] = CompletionBarrier(
             transfer_id, epoch, request_id, frozenset(prefill_ranks), prefill_engine_id, now
         )
-        self._pending += 1
 
     def _check_expect(self, transfer_id: str, epoch: int, request_id: str, prefill_ranks: list[int]) -> None:
         if not prefill_ranks:
@@ -124,11 +126,11 @@ class BarrierTable:
             raise CompletionError(RefusalCode.FAILED_PRECONDITION, f"stale epoch {epoch} < {b.epoch}")
         if b is not None and epoch == b.epoch:
             return
+        if b is not None and b.outcome is Outcome.OK:
+            # This rank already handed the request to the engine: a retry cannot be written here.
+            raise CompletionError(RefusalCode.FAILED_PRECONDITION, f"epoch {b.epoch} of {transfer_id} completed here")
         if b is not None and b.state is not BarrierState.RELEASED:
-            raise CompletionError(
-                RefusalCode.FAILED_PRECONDITION,
-                f"epoch {b.epoch} of {transfer_id} is still open; settle it before a new epoch",
-            )
+            return  # a retry (newer epoch, same request): the agent fenced the open epoch first
         if self._pending >= self.max_pending:
             raise CompletionError(RefusalCode.RESOURCE_EXHAUSTED, f"more than {self.max_pending} transfers pending")
 
@@ -178,12 +180,8 @@ class BarrierTable:
         else:
             b.failed[prefill_rank] = reason or "failed"
             b.state = BarrierState.FAILING
-        if b.reported() != b.expected:
-            return None
-        if b.failed:
-            return self._release(
-                b, Outcome.FAILED, "; ".join(f"rank {r}: {m}" for r, m in sorted(b.failed.items())), now
-            )
+        if b.failed or b.reported() != b.expected:
+            return None  # a failure waits for the agent: settle, or a retry's newer epoch
         return self._release(b, Outcome.OK, "", now)
 
     def settle(self, transfer_id: str, epoch: int, outcome: Outcome, reason: str, now: float) -> Released | None:
@@ -199,6 +197,9 @@ class BarrierTable:
             raise CompletionError(RefusalCode.FAILED_PRECONDITION, f"stale epoch {epoch} (current {b.epoch})")
         if b.state is BarrierState.RELEASED:
             return None
+        if b.failed:  # the prefill ranks' own words first: they say what went wrong
+            failures = "; ".join(f"rank {r}: {m}" for r, m in sorted(b.failed.items()))
+            reason = f"{failures} ({reason})" if reason else failures
         return self._release(b, outcome, reason, now)
 
     def expire(self, now: float) -> None:

@@ -18,3 +18,6 @@ RELEASED = Counter("kvpush_decode_rank_released_total", "Transfers released by a
 BARRIER_SECONDS = Histogram("kvpush_decode_rank_barrier_seconds", "Expectation to barrier release", buckets=_LAT)
 BYTES = Counter("kvpush_decode_rank_bytes_received_total", "Bytes reported written into this process")
 DEADLINES = Counter("kvpush_decode_transfer_deadlines_total", "Published transfers failed because the KV never came")
+REROUTES = Counter(
+    "kvpush_decode_reroutes_total", "Failed transfers the decode agent asked to retry elsewhere, by result", ["result"]
+)

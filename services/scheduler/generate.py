@@ -28,6 +28,7 @@ class LegError(Exception):
     def __init__(self, leg: str, message: str, unavailable: bool) -> None:
         super().__init__(f"{leg} leg: {message}")
         self.leg = leg
+        self.message = message
         self.unavailable = unavailable
 
 
@@ -176,8 +177,10 @@ async def run_legs(
     signer: LegSigner | None = None,
 ) -> AsyncIterator[Chunk]:
     """Sends both legs at once (signed by ``signer`` when given) and yields the decode chunks. Raises
-    LegError when either leg fails, AssignmentLost when ``lost`` resolves first. Leaving early
-    (cancel, error) aborts both legs."""
+    LegError when the decode leg fails, AssignmentLost when ``lost`` resolves first. A failed prefill
+    leg does not end the request: the decode engine, which holds the reservation, reroutes the
+    transfer to another prefill or fails the request itself (then the decode leg says so, and the
+    error names the prefill leg's failure too). Leaving early (cancel, error) aborts both legs."""
     prefill_params, decode_params = leg_params(rec, signer)
     q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -193,7 +196,9 @@ async def run_legs(
         try:
             await client.prefill(rec.prefill.http_endpoint, p, prefill_params)
         except LegError as exc:
-            q.put_nowait(("error", exc))
+            prefill_error.append(exc)
+
+    prefill_error: list[LegError] = []
 
     def on_lost(f: asyncio.Future[str]) -> None:
         if not f.cancelled():
@@ -209,6 +214,9 @@ async def run_legs(
             elif kind == "done":
                 break
             elif kind == "error":
+                if prefill_error:
+                    why = f"{value.message} (after the prefill leg failed: {prefill_error[0].message})"
+                    raise LegError(value.leg, why, value.unavailable)
                 raise value
             else:
                 raise AssignmentLost(value)

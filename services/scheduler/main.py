@@ -64,6 +64,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-queued", type=int, default=int(_env("MAX_QUEUED", "1024")))
     p.add_argument(
+        "--max-reroutes",
+        type=int,
+        default=int(_env("MAX_REROUTES", "2")),
+        help="prefill engines one transfer may be tried on (Reroute), the first included",
+    )
+    p.add_argument(
         "--model",
         default=_env("MODEL", ""),
         help="served model name for Generate; empty: the first entry of GET /v1/models",
@@ -183,7 +189,9 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
             assignment_ttl_s=args.assignment_ttl_s,
         ),
         decode_policy=args.decode_policy,
-        servicer=ServicerConfig(max_queue_s=args.max_queue_s, max_queued=args.max_queued),
+        servicer=ServicerConfig(
+            max_queue_s=args.max_queue_s, max_queued=args.max_queued, max_reroutes=args.max_reroutes
+        ),
         model=args.model,
         http_read_timeout_s=args.http_read_timeout_s,
         leg_signer=leg_signer_from_args(args),

@@ -70,6 +70,9 @@ class Metrics:
         self.releases = Counter(
             "kvpush_scheduler_releases_total", "Assignments ended, by outcome", ["outcome"], registry=r
         )
+        self.reroutes = Counter(
+            "kvpush_scheduler_reroutes_total", "Reroute calls (retry elsewhere) by result", ["result"], registry=r
+        )
         self.generate = Counter("kvpush_scheduler_generate_total", "Generate calls by result", ["result"], registry=r)
         self.ttft = Histogram(
             "kvpush_scheduler_generate_ttft_seconds",

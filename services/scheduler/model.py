@@ -205,3 +205,8 @@ class AssignmentRecord:
     reason: str = ""
     # Generate owns the record and releases it itself; others expire without a Release.
     held: bool = False
+    # Prefill engines this transfer was sent to (retry elsewhere never sends it back to one), and
+    # why the current prefill is gone when it died under the open assignment (decode reroutes).
+    tried_prefills: set[str] = field(default_factory=set)
+    prefill_lost: str = ""
+    earlier_epochs: set[int] = field(default_factory=set)  # before reroutes; Release may name them

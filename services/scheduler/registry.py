@@ -197,9 +197,16 @@ class Registry:
         del self.instances[inst.engine_id]
         for transfer_id in sorted(inst.open):
             rec = self.open.get(transfer_id)
-            if rec is not None:
-                self._close(rec, State.FAILED, f"{inst.spec.role.value} {inst.engine_id} {kind.value}: {reason}")
-                self._notify_closed(rec)
+            if rec is None:
+                continue
+            why = f"{inst.spec.role.value} {inst.engine_id} {kind.value}: {reason}"
+            if inst.spec.role is Role.PREFILL and rec.prefill.engine_id == inst.engine_id:
+                # The decode engine still holds the reservation: it reroutes the transfer to another
+                # prefill (Reroute) or fails the request itself, so the assignment stays open.
+                rec.prefill_lost = why
+                continue
+            self._close(rec, State.FAILED, why)
+            self._notify_closed(rec)
         self._emit(Event(kind, inst.spec, reason))
         self._capacity()
 
@@ -284,12 +291,50 @@ class Registry:
         prefill.add_pending(transfer_id, 0, now)
         return rec
 
+    def reroute(
+        self, transfer_id: str, decode_engine_id: str, failed_prefill_engine_id: str, max_reroutes: int
+    ) -> tuple[AssignmentRecord, bool]:
+        """Moves an open assignment's prefill leg to another ready prefill (a new epoch) after its
+        transfer failed on ``failed_prefill_engine_id``. Returns (record, moved): when the record's
+        prefill is already another engine (a repeated report), it is returned unmoved. Raises NotFound,
+        FailedPrecondition (not this decode's, or out of retries) or NoCapacity("no_prefill")."""
+        rec = self.open.get(transfer_id)
+        if rec is None:
+            raise NotFound(f"no open assignment for transfer {transfer_id!r}")
+        if rec.decode.engine_id != decode_engine_id:
+            raise FailedPrecondition(f"transfer {transfer_id!r} is not assigned to decode {decode_engine_id!r}")
+        if rec.prefill.engine_id != failed_prefill_engine_id:
+            return rec, False
+        tried = rec.tried_prefills | {rec.prefill.engine_id}
+        if len(tried) >= max_reroutes:
+            raise FailedPrecondition(f"transfer {transfer_id!r} was already tried on {len(tried)} prefill engines")
+        demand = Demand(1, 0)
+        candidates = [
+            i
+            for i in self.instances.values()
+            if i.spec.role is Role.PREFILL and i.ready and not i.draining and i.engine_id not in tried
+        ]
+        prefill = self.prefill_policy.choose(candidates, demand) if candidates else None
+        if prefill is None:
+            raise NoCapacity("no_prefill", f"no other ready prefill instance for {transfer_id!r}")
+        old = self.instances.get(rec.prefill.engine_id)
+        if old is not None and old.spec.incarnation == rec.prefill.incarnation:
+            old.open.discard(transfer_id)
+            old.drop_pending(transfer_id)
+        rec.tried_prefills = tried
+        rec.prefill, rec.prefill_lost = prefill.spec, ""
+        rec.earlier_epochs.add(rec.epoch)
+        rec.epoch = next(self._epochs)
+        prefill.open.add(transfer_id)
+        prefill.add_pending(transfer_id, 0, self.clock())
+        return rec, True
+
     def release(self, transfer_id: str, epoch: int, outcome: Outcome, reason: str = "") -> AssignmentRecord:
         """Ends an assignment. Idempotent for an already closed one with the same epoch."""
         rec = self.open.get(transfer_id) or self.closed.get(transfer_id)
         if rec is None:
             raise NotFound(f"unknown transfer {transfer_id!r}")
-        if rec.epoch != epoch:
+        if rec.epoch != epoch and epoch not in rec.earlier_epochs:
             raise FailedPrecondition(
                 f"transfer {transfer_id!r} epoch {epoch} is stale; the current epoch is {rec.epoch}"
             )

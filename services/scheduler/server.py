@@ -140,6 +140,7 @@ class SchedulerServer:
             if task is not None:
                 task.cancel()
         await self.server.stop(0.2)
+        self.servicer.cancel_background()
         await self.client.close()
         self._executor.shutdown(wait=False)
         self.log.info("scheduler_stopped", drained=idle)

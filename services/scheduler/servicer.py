@@ -46,6 +46,7 @@ class ServicerConfig:
     max_watch_subscribers: int = limits.MAX_WATCH_SUBSCRIBERS  # Watch streams at once
     max_generate: int = limits.MAX_CONCURRENT_GENERATE  # Generate calls in flight at once
     max_instances: int = limits.MAX_INSTANCES  # registered instances
+    max_reroutes: int = 2  # prefill engines one transfer is tried on (Reroute), the first included
 
 
 class _Signal:
@@ -127,6 +128,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._subscribers: set[_Subscriber] = set()
         self._lost: dict[str, asyncio.Future[str]] = {}
         self._decision_counters: dict[tuple[str, str], Any] = {}
+        self._prefill_legs: set[asyncio.Task[None]] = set()  # prefill legs sent by Reroute
         registry.event_listeners.append(self._on_event)
         registry.closed_listeners.append(self._on_closed)
         registry.capacity_listeners.append(self._changed.notify)
@@ -191,6 +193,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._changed.notify()
         for sub in self._subscribers:
             sub.put(None)
+
+    def cancel_background(self) -> None:
+        """Cancels the prefill legs Reroute still sends (at shutdown)."""
+        for task in list(self._prefill_legs):
+            task.cancel()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Waits until no Assign/Generate call is in flight; False when ``timeout`` passed first."""
@@ -394,6 +401,68 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             reason=limits.clip(request.reason),
         )
         return pb.ReleaseResponse()
+
+    async def Reroute(self, request: pb.RerouteRequest, context: grpc.aio.ServicerContext) -> pb.RerouteResponse:
+        # mTLS: only a decode engine, in its own name; the registry checks it is the assignment's.
+        not_peer = claim_problem(peer_identity(context), request.decode_engine_id, "decode")
+        if not_peer is not None:
+            self.log.warning("reroute_refused", transfer_id=request.transfer_id[:64], reason=not_peer)
+            self.metrics.reroutes.labels("refused").inc()
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, not_peer)
+        ids = (request.transfer_id, request.decode_engine_id, request.failed_prefill_engine_id)
+        if not request.transfer_id or max(len(i) for i in ids) > limits.MAX_ID_CHARS:
+            await self._refuse(context, "Reroute", grpc.StatusCode.INVALID_ARGUMENT, "missing or too long ids")
+        if not request.prompt_token_ids or len(request.prompt_token_ids) > _MAX_PROMPT_TOKENS:
+            await self._refuse(
+                context, "Reroute", grpc.StatusCode.INVALID_ARGUMENT, f"prompt must have 1..{_MAX_PROMPT_TOKENS} tokens"
+            )
+        log = self.log.bind(transfer_id=request.transfer_id)
+        try:
+            rec, moved = self.registry.reroute(
+                request.transfer_id,
+                request.decode_engine_id,
+                request.failed_prefill_engine_id,
+                self.config.max_reroutes,
+            )
+        except SchedulerError as exc:
+            self.metrics.reroutes.labels(exc.reason).inc()
+            log.warning("reroute_impossible", reason=str(exc), failed=limits.clip(request.reason))
+            await self._abort(context, exc)
+        prefill_params, _ = convert.leg_params(rec, self.signer)
+        if moved:
+            params = GenerateParams(
+                prompt_token_ids=list(request.prompt_token_ids),
+                max_tokens=1,
+                temperature=0.0,
+                ignore_eos=False,
+                seed=None,
+            )
+            task = asyncio.get_running_loop().create_task(self._send_prefill_leg(rec, params, prefill_params))
+            self._prefill_legs.add(task)
+            task.add_done_callback(self._prefill_legs.discard)
+        self.metrics.reroutes.labels("moved" if moved else "repeated").inc()
+        log.info(
+            "transfer_rerouted",
+            epoch=rec.epoch,
+            failed_prefill=request.failed_prefill_engine_id,
+            prefill=rec.prefill.engine_id,
+            moved=moved,
+            reason=limits.clip(request.reason),
+        )
+        a = convert.assignment_to_pb(rec, self.signer)
+        return pb.RerouteResponse(
+            epoch=rec.epoch, prefill=a.prefill, decode_kv_transfer_params=a.decode_kv_transfer_params
+        )
+
+    async def _send_prefill_leg(self, rec: AssignmentRecord, p: GenerateParams, params: dict[str, Any]) -> None:
+        """The prefill leg of a rerouted transfer. Its failure needs no answer here: the new prefill
+        then never matches the reservation, which it rejects at its lease, and decode fails over again."""
+        try:
+            await self.client.prefill(rec.prefill.http_endpoint, p, params)
+        except LegError as exc:
+            self.log.warning(
+                "reroute_prefill_leg_failed", transfer_id=rec.transfer_id, epoch=rec.epoch, reason=str(exc)
+            )
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext

@@ -62,6 +62,25 @@ class _KvLayoutEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_KvLayout.Val
     """Per block: [kv_heads][...]; each head's bytes are contiguous and heads follow each other, so a
     head slice of a block is one contiguous byte range (vLLM "LBHNC", the CPU layout).
     """
+    KV_LAYOUT_TOKEN_MAJOR: _KvLayout.ValueType  # 2
+    """The physical order, outermost first, of the axes of one layer's KV cache: B blocks, K the K/V
+    split (size 2), H KV heads, N tokens of a block, C content (head size, or the MLA latent).
+    A head slice is contiguous per block (or per K/V half) only where H is outside N; layouts
+    where it is not are written whole-block only (equal TP on both sides).
+    B N H C (vLLM "LBNHC")
+    """
+    KV_LAYOUT_KV_SPLIT_NHD: _KvLayout.ValueType  # 3
+    """K B N H C: [2, blocks, block_size, heads, head] (FlashAttention)"""
+    KV_LAYOUT_KV_SPLIT_HND: _KvLayout.ValueType  # 4
+    """K B H N C: the same tensor with HND strides"""
+    KV_LAYOUT_BLOCKS_FIRST_NHD: _KvLayout.ValueType  # 5
+    """B K N H C: [blocks, 2, block_size, heads, head] (FlashInfer)"""
+    KV_LAYOUT_BLOCKS_FIRST_HND: _KvLayout.ValueType  # 6
+    """B K H N C"""
+    KV_LAYOUT_MLA: _KvLayout.ValueType  # 7
+    """B N C: [blocks, block_size, latent], no head axis (replicated)"""
+    KV_LAYOUT_HEAD_OUTER: _KvLayout.ValueType  # 8
+    """H B N C (vLLM "LHBNC"): one range per head per block"""
 
 class KvLayout(_KvLayout, metaclass=_KvLayoutEnumTypeWrapper):
     """How the bytes of one block of one layer are arranged on a rank."""
@@ -71,6 +90,25 @@ KV_LAYOUT_HEAD_MAJOR: KvLayout.ValueType  # 1
 """Per block: [kv_heads][...]; each head's bytes are contiguous and heads follow each other, so a
 head slice of a block is one contiguous byte range (vLLM "LBHNC", the CPU layout).
 """
+KV_LAYOUT_TOKEN_MAJOR: KvLayout.ValueType  # 2
+"""The physical order, outermost first, of the axes of one layer's KV cache: B blocks, K the K/V
+split (size 2), H KV heads, N tokens of a block, C content (head size, or the MLA latent).
+A head slice is contiguous per block (or per K/V half) only where H is outside N; layouts
+where it is not are written whole-block only (equal TP on both sides).
+B N H C (vLLM "LBNHC")
+"""
+KV_LAYOUT_KV_SPLIT_NHD: KvLayout.ValueType  # 3
+"""K B N H C: [2, blocks, block_size, heads, head] (FlashAttention)"""
+KV_LAYOUT_KV_SPLIT_HND: KvLayout.ValueType  # 4
+"""K B H N C: the same tensor with HND strides"""
+KV_LAYOUT_BLOCKS_FIRST_NHD: KvLayout.ValueType  # 5
+"""B K N H C: [blocks, 2, block_size, heads, head] (FlashInfer)"""
+KV_LAYOUT_BLOCKS_FIRST_HND: KvLayout.ValueType  # 6
+"""B K H N C"""
+KV_LAYOUT_MLA: KvLayout.ValueType  # 7
+"""B N C: [blocks, block_size, latent], no head axis (replicated)"""
+KV_LAYOUT_HEAD_OUTER: KvLayout.ValueType  # 8
+"""H B N C (vLLM "LHBNC"): one range per head per block"""
 Global___KvLayout: _TypeAlias = KvLayout  # noqa: Y015
 
 class _TransferStatus:
@@ -178,6 +216,13 @@ class LayerRegion(_message.Message):
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     BLOCK_STRIDE_FIELD_NUMBER: _builtins.int
     GROUP_FIELD_NUMBER: _builtins.int
+    MEM_TYPE_FIELD_NUMBER: _builtins.int
+    DEVICE_ID_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    PIECE_OFFSETS_FIELD_NUMBER: _builtins.int
+    PIECE_LENGTHS_FIELD_NUMBER: _builtins.int
+    HEAD_STRIDE_FIELD_NUMBER: _builtins.int
+    NUM_HEADS_FIELD_NUMBER: _builtins.int
     base_addr: _builtins.int
     """address of block 0"""
     num_blocks: _builtins.int
@@ -185,6 +230,25 @@ class LayerRegion(_message.Message):
     """bytes from block b to block b+1"""
     group: _builtins.int
     """KV-cache group whose block ids index this region"""
+    mem_type: _builtins.str
+    """NIXL memory type of the region: "DRAM" (empty: DRAM) or "VRAM" """
+    device_id: _builtins.int
+    """CUDA device (VRAM) or 0"""
+    layout: Global___KvLayout.ValueType
+    """this region's layout kind (the same on every region of a rank)"""
+    head_stride: _builtins.int
+    num_heads: _builtins.int
+    """KV heads in this region (0: total_kv_heads / tp_size)"""
+    @_builtins.property
+    def piece_offsets(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Where the bytes of head 0 of block 0 lie, relative to the block's address: contiguous pieces
+        (offset, length), in memory order (one piece for head-major blocks, K and V halves for
+        K/V-split HND, one per token and half for NHD). Head h's pieces are these plus h * head_stride.
+        Empty: one piece (0, block_bytes / heads) with head_stride = block_bytes / heads (HEAD_MAJOR).
+        """
+
+    @_builtins.property
+    def piece_lengths(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -192,10 +256,17 @@ class LayerRegion(_message.Message):
         num_blocks: _builtins.int = ...,
         block_stride: _builtins.int = ...,
         group: _builtins.int = ...,
+        mem_type: _builtins.str = ...,
+        device_id: _builtins.int = ...,
+        layout: Global___KvLayout.ValueType = ...,
+        piece_offsets: _abc.Iterable[_builtins.int] | None = ...,
+        piece_lengths: _abc.Iterable[_builtins.int] | None = ...,
+        head_stride: _builtins.int = ...,
+        num_heads: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_addr", b"base_addr", "block_stride", b"block_stride", "group", b"group", "num_blocks", b"num_blocks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_addr", b"base_addr", "block_stride", b"block_stride", "device_id", b"device_id", "group", b"group", "head_stride", b"head_stride", "layout", b"layout", "mem_type", b"mem_type", "num_blocks", b"num_blocks", "num_heads", b"num_heads", "piece_lengths", b"piece_lengths", "piece_offsets", b"piece_offsets"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1086,6 +1157,71 @@ class ReleaseResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
+
+@_typing.final
+class RerouteRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    DECODE_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    FAILED_PREFILL_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    decode_engine_id: _builtins.str
+    """must be the caller's own engine and the assignment's decode"""
+    failed_prefill_engine_id: _builtins.str
+    """the prefill engine whose transfer failed"""
+    reason: _builtins.str
+    @_builtins.property
+    def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """the prompt, for the new prefill leg"""
+
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        decode_engine_id: _builtins.str = ...,
+        failed_prefill_engine_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "failed_prefill_engine_id", b"failed_prefill_engine_id", "prompt_token_ids", b"prompt_token_ids", "reason", b"reason", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RerouteRequest: _TypeAlias = RerouteRequest  # noqa: Y015
+
+@_typing.final
+class RerouteResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PREFILL_FIELD_NUMBER: _builtins.int
+    DECODE_KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    epoch: _builtins.int
+    @_builtins.property
+    def prefill(self) -> Global___InstanceInfo: ...
+    @_builtins.property
+    def decode_kv_transfer_params(self) -> _struct_pb2.Struct:
+        """the new decode leg (signed)"""
+
+    def __init__(
+        self,
+        *,
+        epoch: _builtins.int = ...,
+        prefill: Global___InstanceInfo | None = ...,
+        decode_kv_transfer_params: _struct_pb2.Struct | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "prefill", b"prefill"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_kv_transfer_params", b"decode_kv_transfer_params", "epoch", b"epoch", "prefill", b"prefill"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RerouteResponse: _TypeAlias = RerouteResponse  # noqa: Y015
 
 @_typing.final
 class GenerateRequest(_message.Message):

@@ -320,6 +320,11 @@ class SchedulerStub:
                 request_serializer=kvpush_dot_v1_dot_kvpush__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Reroute = channel.unary_unary(
+                '/kvpush.v1.Scheduler/Reroute',
+                request_serializer=kvpush_dot_v1_dot_kvpush__pb2.RerouteRequest.SerializeToString,
+                response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.RerouteResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/kvpush.v1.Scheduler/Generate',
                 request_serializer=kvpush_dot_v1_dot_kvpush__pb2.GenerateRequest.SerializeToString,
@@ -370,6 +375,17 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reroute(self, request, context):
+        """Retry elsewhere: the decode engine of an open assignment reports that its transfer failed before
+        decode started (the prefill died, a WRITE failed, the prefill refused). The scheduler picks
+        another prefill, sends it the prefill leg itself (the prompt travels in the request) and returns
+        the new decode leg; the decode engine keeps its blocks and publishes them to the new prefill
+        once the failed prefill is fenced. Only the assignment's decode engine may call it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -410,6 +426,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.ReleaseRequest.FromString,
                     response_serializer=kvpush_dot_v1_dot_kvpush__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Reroute': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reroute,
+                    request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.RerouteRequest.FromString,
+                    response_serializer=kvpush_dot_v1_dot_kvpush__pb2.RerouteResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -539,6 +560,33 @@ class Scheduler:
             '/kvpush.v1.Scheduler/Release',
             kvpush_dot_v1_dot_kvpush__pb2.ReleaseRequest.SerializeToString,
             kvpush_dot_v1_dot_kvpush__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reroute(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpush.v1.Scheduler/Reroute',
+            kvpush_dot_v1_dot_kvpush__pb2.RerouteRequest.SerializeToString,
+            kvpush_dot_v1_dot_kvpush__pb2.RerouteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -178,6 +178,13 @@ class SchedulerStub:
     """
     Assign: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.AssignRequest, _kvpush_pb2.Assignment]
     Release: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.ReleaseRequest, _kvpush_pb2.ReleaseResponse]
+    Reroute: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.RerouteRequest, _kvpush_pb2.RerouteResponse]
+    """Retry elsewhere: the decode engine of an open assignment reports that its transfer failed before
+    decode started (the prefill died, a WRITE failed, the prefill refused). The scheduler picks
+    another prefill, sends it the prefill leg itself (the prompt travels in the request) and returns
+    the new decode leg; the decode engine keeps its blocks and publishes them to the new prefill
+    once the failed prefill is fenced. Only the assignment's decode engine may call it.
+    """
     Generate: _grpc.UnaryStreamMultiCallable[_kvpush_pb2.GenerateRequest, _kvpush_pb2.GenerateResponse]
     ListInstances: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.ListInstancesRequest, _kvpush_pb2.ListInstancesResponse]
     Watch: _grpc.UnaryStreamMultiCallable[_kvpush_pb2.WatchRequest, _kvpush_pb2.InstanceEvent]
@@ -197,6 +204,13 @@ class SchedulerAsyncStub(SchedulerStub):
     """
     Assign: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.AssignRequest, _kvpush_pb2.Assignment]  # type: ignore[assignment]
     Release: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.ReleaseRequest, _kvpush_pb2.ReleaseResponse]  # type: ignore[assignment]
+    Reroute: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.RerouteRequest, _kvpush_pb2.RerouteResponse]  # type: ignore[assignment]
+    """Retry elsewhere: the decode engine of an open assignment reports that its transfer failed before
+    decode started (the prefill died, a WRITE failed, the prefill refused). The scheduler picks
+    another prefill, sends it the prefill leg itself (the prompt travels in the request) and returns
+    the new decode leg; the decode engine keeps its blocks and publishes them to the new prefill
+    once the failed prefill is fenced. Only the assignment's decode engine may call it.
+    """
     Generate: _aio.UnaryStreamMultiCallable[_kvpush_pb2.GenerateRequest, _kvpush_pb2.GenerateResponse]  # type: ignore[assignment]
     ListInstances: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.ListInstancesRequest, _kvpush_pb2.ListInstancesResponse]  # type: ignore[assignment]
     Watch: _aio.UnaryStreamMultiCallable[_kvpush_pb2.WatchRequest, _kvpush_pb2.InstanceEvent]  # type: ignore[assignment]
@@ -237,6 +251,19 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         request: _kvpush_pb2.ReleaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvpush_pb2.ReleaseResponse, _abc.Awaitable[_kvpush_pb2.ReleaseResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def Reroute(
+        self,
+        request: _kvpush_pb2.RerouteRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvpush_pb2.RerouteResponse, _abc.Awaitable[_kvpush_pb2.RerouteResponse]]:
+        """Retry elsewhere: the decode engine of an open assignment reports that its transfer failed before
+        decode started (the prefill died, a WRITE failed, the prefill refused). The scheduler picks
+        another prefill, sends it the prefill leg itself (the prompt travels in the request) and returns
+        the new decode leg; the decode engine keeps its blocks and publishes them to the new prefill
+        once the failed prefill is fenced. Only the assignment's decode engine may call it.
+        """
 
     @_abc_1.abstractmethod
     def Generate(

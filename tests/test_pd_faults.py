@@ -1,0 +1,166 @@
+"""Faults on real vLLM: two prefill instances and one decode (2P1D) behind the scheduler, with a
+plain vLLM as the single-instance reference. A prefill killed with SIGKILL while requests are in
+flight must cost nothing but time: every request still completes token for token, its KV pushed
+by the surviving prefill (retry elsewhere), never recomputed on decode."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from google.protobuf import json_format
+
+from kvpush.services.common.vllm_server import complete
+from kvpush.v1 import kvpush_pb2 as pb
+from scripts.pd_cluster import PDCluster, pd_cluster
+from tests.test_pd_e2e import _decode_load, _wait_free_blocks, prompt_of, prompt_sources
+
+pytestmark = pytest.mark.vllm
+
+N_TOKENS = 900
+MAX_TOKENS = 8
+REQUESTS = 6
+# Short fence bounds, so a killed prefill's transfers are fenced in ~2 s instead of ~12 s.
+FENCE = {"write_lease_s": 0.5, "write_timeout_s": 1.5, "grace_s": 0.2}
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
+    with pd_cluster(tiny_model_dir, tmp_path_factory.mktemp("pd-faults"), prefills=2, extra=FENCE) as c:
+        yield c
+
+
+def _open_on(c: PDCluster, engine_id: str) -> int:
+    listing = c.stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances
+    return sum(s.open_assignments for s in listing if s.instance.engine_id == engine_id)
+
+
+def _idle_free_blocks(c: PDCluster) -> int:
+    """Decode's free blocks from the first load report that shows no request holding blocks."""
+    deadline = time.monotonic() + 30
+    load = _decode_load(c)
+    while (load.running_requests or load.waiting_requests) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        load = _decode_load(c)
+    assert not (load.running_requests or load.waiting_requests), load
+    return load.free_blocks
+
+
+def test_scheduler_restart_with_requests_in_flight(cluster: PDCluster) -> None:
+    """The scheduler is SIGKILLed and restarted on its address with requests in flight: Generate
+    streams end with UNAVAILABLE; a request whose legs a frontend already handed to vLLM finishes
+    token for token without it; instances re-register within seconds; new requests work; decode's
+    blocks all come back."""
+    assert cluster.baseline is not None
+    prompt = prompt_of(N_TOKENS, seed=7)
+    want = complete(cluster.baseline.base_url, prompt, MAX_TOKENS)[0]
+    assert cluster.generate(prompt, MAX_TOKENS, timeout_s=60)[0] == want
+    free_before = _idle_free_blocks(cluster)
+
+    a = cluster.stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=MAX_TOKENS), timeout=10)
+    legs = [
+        json_format.MessageToDict(a.prefill_kv_transfer_params),
+        json_format.MessageToDict(a.decode_kv_transfer_params),
+    ]
+    prefill_url = a.prefill.http_endpoint
+
+    streams: dict[int, grpc.RpcError | list[int]] = {}
+
+    def stream(i: int) -> None:
+        try:
+            streams[i] = cluster.generate(prompt_of(N_TOKENS, seed=60 + i), 256, timeout_s=60)[0]
+        except grpc.RpcError as exc:
+            streams[i] = exc
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 30
+    while (
+        sum(s.open_assignments for s in cluster.stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances) < 4
+    ):
+        assert time.monotonic() < deadline, "the Generate calls were not assigned"
+        time.sleep(0.01)  # polling the scheduler, bounded by the deadline
+    cluster.scheduler.restart()
+    restarted = time.monotonic()
+
+    # The custom frontend's request: both legs go straight to vLLM while the scheduler restarts.
+    out: dict[str, list[int]] = {}
+    pre = threading.Thread(target=lambda: complete(prefill_url, prompt, 1, legs[0]))
+    pre.start()
+    out["decode"] = complete(cluster.decode.base_url, prompt, MAX_TOKENS, legs[1], timeout=60)[0]
+    pre.join(60)
+    assert out["decode"] == want, "a request handed to vLLM before the restart did not finish token-exact"
+
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a Generate stream hung across the scheduler restart"
+    for i, r in streams.items():
+        assert isinstance(r, grpc.RpcError) and r.code() == grpc.StatusCode.UNAVAILABLE, (i, r)
+
+    cluster.wait_registered(timeout_s=15)
+    assert time.monotonic() - restarted < 15
+    deadline = time.monotonic() + 15
+    while True:  # registered, then ready once the scheduler's probe saw /health
+        try:
+            assert cluster.generate(prompt, MAX_TOKENS, timeout_s=60)[0] == want
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, exc
+            time.sleep(0.1)
+    assert _wait_free_blocks(cluster, free_before) == free_before
+
+
+def test_killed_prefill_is_retried_elsewhere_token_exact(cluster: PDCluster) -> None:
+    assert cluster.baseline is not None
+    prompts = [prompt_of(N_TOKENS, seed=40 + i) for i in range(REQUESTS)]
+    expected = [complete(cluster.baseline.base_url, p, MAX_TOKENS)[0] for p in prompts]
+    # Warm both prefills and the decode, and take the free-block baseline.
+    for p, want in zip(prompts[:2], expected[:2], strict=True):
+        assert cluster.generate(p, MAX_TOKENS, timeout_s=60)[0] == want
+    free_before = _idle_free_blocks(cluster)
+    sources_before = prompt_sources(cluster.decode)
+
+    results: dict[int, list[int] | grpc.RpcError] = {}
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        try:
+            out: list[int] | grpc.RpcError = cluster.generate(prompts[i], MAX_TOKENS, timeout_s=90)[0]
+        except grpc.RpcError as exc:
+            out = exc
+        with lock:
+            results[i] = out
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(REQUESTS)]
+    for t in threads:
+        t.start()
+    # Kill prefill-0 once it holds part of the load (bounded wait; the policy spreads the six).
+    deadline = time.monotonic() + 30
+    while _open_on(cluster, "prefill-0") == 0:
+        assert time.monotonic() < deadline, "no request was assigned to prefill-0"
+        time.sleep(0.01)  # polling the scheduler, bounded by the deadline
+    log_before = len(cluster.scheduler.log_path.read_bytes())
+    cluster.prefills[0].kill()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), "a request hung after its prefill was killed"
+
+    failed = {i: r for i, r in results.items() if isinstance(r, grpc.RpcError)}
+    assert not failed, {i: f"{r.code().name}: {r.details()}" for i, r in failed.items()}
+    for i in range(REQUESTS):
+        assert results[i] == expected[i], f"request {i} differs from the single instance"
+    # Retried elsewhere, not recomputed: decode computed no prompt token locally...
+    sources_after = prompt_sources(cluster.decode)
+    local = sources_after.get("local_compute", 0.0) - sources_before.get("local_compute", 0.0)
+    assert local == 0, f"decode recomputed {local} prompt tokens: a transfer was not retried elsewhere"
+    # ...and at least one transfer really moved off the killed prefill.
+    log = cluster.scheduler.log_path.read_bytes()[log_before:].decode(errors="replace")
+    assert "transfer_rerouted" in log, "no transfer was rerouted off the killed prefill"
+    # Decode's blocks all came back; the survivor keeps serving.
+    assert _wait_free_blocks(cluster, free_before) == free_before
+    assert cluster.generate(prompts[0], MAX_TOKENS, timeout_s=60)[0] == expected[0]
