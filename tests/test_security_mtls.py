@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpush.connector.config import ConfigError, ConnectorConfig
 from kvpush.connector.registration import Registration
+from kvpush.services.common import limits
 from kvpush.services.common.security import (
     DECODE_RANK_POLICY,
     PREFILL_AGENT_POLICY,
@@ -317,6 +318,56 @@ def test_roles_bound_to_methods_on_the_scheduler(dev_certs: Path) -> None:
                     await ch.close()
             # The frontend API works for a frontend.
             assert await _code(frontend.ListInstances(pb.ListInstancesRequest(), timeout=WAIT_S)) is grpc.StatusCode.OK
+
+    run(body())
+
+
+def test_only_the_assignments_decode_engine_reroutes_it(dev_certs: Path) -> None:
+    """Reroute moves a transfer's prefill leg and makes the scheduler send a prompt to a prefill:
+    only the assignment's own decode engine, in its own name, may ask; a frontend, a prefill or
+    another decode engine is refused, and so are out-of-bounds prompts. Nothing moves."""
+
+    async def body() -> None:
+        async with scheduler(
+            interval_s=0.5, security=sec(dev_certs, "scheduler"), client=sec(dev_certs, "frontend")
+        ) as (server, frontend, _):
+            chans = {n: sec(dev_certs, n).aio_channel(server.address) for n in ("decode-0", "decode-1", "prefill-0")}
+            try:
+                stubs = {n: pb_grpc.SchedulerStub(c) for n, c in chans.items()}
+                insts = [
+                    await FakeInstance(stubs["decode-0"], info("decode-0")).start(),
+                    await FakeInstance(stubs["decode-1"], info("decode-1", blocks=1)).start(),
+                    await FakeInstance(stubs["prefill-0"], info("prefill-0", pb.ROLE_PREFILL)).start(),
+                ]
+                a = await frontend.Assign(pb.AssignRequest(prompt_tokens=32, max_tokens=1), timeout=WAIT_S)
+                assert a.decode.engine_id == "decode-0"  # decode-1 has no room
+
+                def ask(stub: pb_grpc.SchedulerStub, decode: str, prompt: list[int] | None = None) -> Any:
+                    req = pb.RerouteRequest(
+                        transfer_id=a.transfer_id,
+                        decode_engine_id=decode,
+                        failed_prefill_engine_id="prefill-0",
+                        prompt_token_ids=[1, 2, 3] if prompt is None else prompt,
+                    )
+                    return stub.Reroute(req, timeout=WAIT_S)
+
+                assert await _code(ask(frontend, "decode-0")) is DENIED  # role
+                assert await _code(ask(stubs["prefill-0"], "decode-0")) is DENIED  # role
+                assert await _code(ask(stubs["decode-1"], "decode-0")) is DENIED  # not its own name
+                not_its = await _code(ask(stubs["decode-1"], "decode-1"))  # not its assignment
+                assert not_its is grpc.StatusCode.FAILED_PRECONDITION
+                too_long = [1] * (limits.MAX_PROMPT_TOKENS + 1)  # above the message bound, too
+                assert await _code(ask(stubs["decode-0"], "decode-0", too_long)) is grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert await _code(ask(stubs["decode-0"], "decode-0", [])) is grpc.StatusCode.INVALID_ARGUMENT
+                rec = server.registry.open[a.transfer_id]
+                assert rec.epoch == a.epoch and rec.prefill.engine_id == "prefill-0"  # nothing moved
+                # The owner is answered: no other prefill here, so the request is left to decode.
+                assert await _code(ask(stubs["decode-0"], "decode-0")) is grpc.StatusCode.RESOURCE_EXHAUSTED
+                for inst in insts:
+                    await inst.close()
+            finally:
+                for c in chans.values():
+                    await c.close()
 
     run(body())
 
