@@ -161,7 +161,7 @@ class DecodeScheduler:
             [list(g) for g in new],
             request.num_prompt_tokens,
             skip,
-            prompt_token_ids=request.prompt_token_ids,
+            prompt_token_ids=getattr(request, "prompt_token_ids", None) or (),  # None for prompt embeds: no retry
         )
         self._reserved[rid] = (leg.transfer_id, epoch)
         self._holders.setdefault(leg.transfer_id, rid)
@@ -225,16 +225,26 @@ class PrefillScheduler:
         self._aborted: list[AbortedPrefill] = []
         self._holders: dict[str, str] = {}  # transfer id -> the live request whose KV is pushed for it
         self._kv_cache_manager: Any = None
+        self._push_bytes: dict[str, int] = {}  # request -> KV bytes handed to the writers, not yet sent
+        self._block_bytes = 0  # one block of every layer on every rank
 
     def set_handshakes(self, handshakes: dict[int, RankHandshake], kv_cache_manager: Any) -> None:
         ranks = [handshakes[r] for r in sorted(handshakes)]
         self._kv_cache_manager = kv_cache_manager
+        shape = ranks[0].shape
+        if shape is not None:
+            self._block_bytes = shape.num_layers * shape.total_kv_heads * shape.head_bytes
         log.info("prefill_engine_ready", endpoints=[h.endpoint for h in ranks])
         self.registration = register(self.cfg, pb.ROLE_PREFILL, self.tp_size, ranks, self._load)
 
     def _load(self) -> pb.LoadReport:
         free = self._kv_cache_manager.block_pool.get_num_free_blocks() if self._kv_cache_manager else 0
-        return pb.LoadReport(free_blocks=free, running_requests=len(self._requests), waiting_requests=len(self._held))
+        return pb.LoadReport(
+            free_blocks=free,
+            running_requests=len(self._requests),
+            waiting_requests=len(self._held),
+            write_bytes_in_flight=sum(self._push_bytes.values()),  # the scheduler's prefill busyness
+        )
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return 0, False
@@ -272,6 +282,7 @@ class PrefillScheduler:
                 )
             )
             self._flagged.add(rid)
+            self._push_bytes[rid] = sum(len(g) for g in block_ids) * self._block_bytes
         return meta
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -288,10 +299,13 @@ class PrefillScheduler:
             self._held.add(rid)
             return True, {"kvpush": {"role": "prefill_done", "transfer_id": leg.transfer_id}}
         self._aborted.append(AbortedPrefill(leg.transfer_id, leg.decode_engine_id))  # no KV will come: fail fast
+        self._push_bytes.pop(rid, None)
         return False, None
 
     def update_connector_output(self, finished_sending: set[str]) -> None:
         self._held -= finished_sending
+        for rid in finished_sending:
+            self._push_bytes.pop(rid, None)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._held or self._aborted)

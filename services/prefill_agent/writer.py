@@ -333,7 +333,7 @@ class PushWriter:
         session = self._sessions.pop(key, None)
         if session is None:
             return
-        self._execute(self.table.on_peer_lost(key, self.clock()))
+        self.table.on_peer_lost(key, self.clock())
         for name in session.nixl_names.values():
             self._remove_nixl_peer(name)
         metrics.PEERS.set(len(self._sessions))
