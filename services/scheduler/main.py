@@ -8,6 +8,7 @@ import gc
 import os
 import signal
 from collections.abc import Sequence
+from typing import Any
 
 import sdnotify
 
@@ -26,97 +27,78 @@ def _env(name: str, default: str) -> str:
     return os.environ.get(ENV_PREFIX + name, default)
 
 
+def _flag(p: argparse.ArgumentParser, flag: str, default: str, **kw: Any) -> None:
+    """``--some-flag`` defaulting to ``$KVPUSH_SCHEDULER_SOME_FLAG`` or ``default``; argparse applies
+    ``type`` (and its error message) to string defaults as to the command line."""
+    p.add_argument(flag, default=_env(flag.removeprefix("--").upper().replace("-", "_"), default), **kw)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="kvpush-scheduler",
         description="kvpush scheduler: instance registry, load leases, assignment and the frontend API. "
         f"Every flag defaults to the environment variable {ENV_PREFIX}<FLAG> (upper case, _ for -).",
     )
-    p.add_argument("--listen", default=_env("LISTEN", "0.0.0.0:50051"), help="gRPC address host:port")
-    p.add_argument(
-        "--metrics-port", type=int, default=int(_env("METRICS_PORT", "9400")), help="Prometheus port; 0: off"
-    )
-    p.add_argument("--metrics-addr", default=_env("METRICS_ADDR", "0.0.0.0"))
-    p.add_argument(
-        "--lease-interval-ms",
-        type=int,
-        default=int(_env("LEASE_INTERVAL_MS", "500")),
-        help="instances report load at least this often",
-    )
-    p.add_argument(
-        "--lease-misses",
-        type=int,
-        default=int(_env("LEASE_MISSES", "3")),
-        help="missed intervals before an instance is declared dead",
-    )
-    p.add_argument(
+    _flag(p, "--listen", "0.0.0.0:50051", help="gRPC address host:port")
+    _flag(p, "--metrics-port", "9400", type=int, help="Prometheus port; 0: off")
+    _flag(p, "--metrics-addr", "0.0.0.0")
+    _flag(p, "--lease-interval-ms", "500", type=int, help="instances report load at least this often")
+    _flag(p, "--lease-misses", "3", type=int, help="missed intervals before an instance is declared dead")
+    _flag(
+        p,
         "--settle-ms",
+        "500",
         type=int,
-        default=int(_env("SETTLE_MS", "500")),
         help="an assignment counts against its decode until a report this much later reflects it",
     )
-    p.add_argument("--decode-policy", choices=sorted(DECODE_POLICIES), default=_env("DECODE_POLICY", "p2c"))
-    p.add_argument(
-        "--max-queue-s",
-        type=float,
-        default=float(_env("MAX_QUEUE_S", "10")),
-        help="longest an Assign with a deadline waits for decode capacity",
-    )
-    p.add_argument("--max-queued", type=int, default=int(_env("MAX_QUEUED", "1024")))
-    p.add_argument(
+    _flag(p, "--decode-policy", "p2c", choices=sorted(DECODE_POLICIES))
+    _flag(p, "--max-queue-s", "10", type=float, help="longest an Assign with a deadline waits for decode capacity")
+    _flag(p, "--max-queued", "1024", type=int)
+    _flag(
+        p,
         "--max-reroutes",
+        "2",
         type=int,
-        default=int(_env("MAX_REROUTES", "2")),
         help="prefill engines one transfer may be tried on (Reroute), the first included",
     )
-    p.add_argument(
-        "--model",
-        default=_env("MODEL", ""),
-        help="served model name for Generate; empty: the first entry of GET /v1/models",
-    )
-    p.add_argument(
+    _flag(p, "--model", "", help="served model name for Generate; empty: the first entry of GET /v1/models")
+    _flag(
+        p,
         "--readiness-probe",
+        "1",
         type=int,
         choices=(0, 1),
-        default=int(_env("READINESS_PROBE", "1")),
         help="1: an instance is assignable only once its OpenAI server answers GET /health (default)",
     )
-    p.add_argument(
-        "--assignment-ttl-s",
-        type=float,
-        default=float(_env("ASSIGNMENT_TTL_S", "600")),
-        help="an Assign with no Release this long after is closed as failed",
+    _flag(
+        p, "--assignment-ttl-s", "600", type=float, help="an Assign with no Release this long after is closed as failed"
     )
-    p.add_argument("--http-read-timeout-s", type=float, default=float(_env("HTTP_READ_TIMEOUT_S", "600")))
-    p.add_argument(
-        "--grace-s",
-        type=float,
-        default=float(_env("GRACE_S", "30")),
-        help="on SIGTERM/SIGINT, how long in-flight Generate calls may finish",
-    )
-    p.add_argument(
+    _flag(p, "--http-read-timeout-s", "600", type=float)
+    _flag(p, "--grace-s", "30", type=float, help="on SIGTERM/SIGINT, how long in-flight Generate calls may finish")
+    _flag(
+        p,
         "--leg-signing-key",
-        default=_env("LEG_SIGNING_KEY", ""),
+        "",
         metavar="FILE",
         help="Ed25519 private key (PEM) that signs every kv_transfer_params leg; connectors verify with the "
         "public key (python -m kvpush.services.common.leg_signing keygen DIR). Required unless --insecure",
     )
-    p.add_argument(
+    _flag(
+        p,
         "--leg-ttl-s",
+        "60",
         type=float,
-        default=float(_env("LEG_TTL_S", "60")),
         help="a signed leg is refused this long after it was minted (plus the connectors' clock skew allowance)",
     )
-    p.add_argument(
-        "--tls-ca", default=_env("TLS_CA", ""), metavar="FILE", help="PEM CA that signs every peer's certificate"
-    )
-    p.add_argument(
+    _flag(p, "--tls-ca", "", metavar="FILE", help="PEM CA that signs every peer's certificate")
+    _flag(
+        p,
         "--tls-cert",
-        default=_env("TLS_CERT", ""),
+        "",
         metavar="FILE",
         help="the scheduler's PEM certificate (URI SAN spiffe://kvpush/scheduler/scheduler); `make certs` makes a dev set",
     )
-    p.add_argument("--tls-key", default=_env("TLS_KEY", ""), metavar="FILE", help="its PEM private key")
+    _flag(p, "--tls-key", "", metavar="FILE", help="its PEM private key")
     p.add_argument(
         "--insecure",
         action="store_true",
@@ -124,14 +106,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="development only: without --tls-* serve plaintext gRPC (no client authentication, logged), "
         "and without --leg-signing-key send legs unsigned",
     )
-    p.add_argument("--log-level", default=_env("LOG_LEVEL", "INFO"))
-    p.add_argument(
-        "--log-json",
-        type=int,
-        choices=(0, 1),
-        default=int(_env("LOG_JSON", "1")),
-        help="1: JSON lines (default), 0: key=value",
-    )
+    _flag(p, "--log-level", "INFO")
+    _flag(p, "--log-json", "1", type=int, choices=(0, 1), help="1: JSON lines (default), 0: key=value")
     args = p.parse_args(argv)
     for name in ("lease_interval_ms", "lease_misses", "max_queued"):
         if getattr(args, name) < 1:
