@@ -21,6 +21,7 @@ import pytest
 
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from tests.security_support import RawStream
 from tests.transfer_nodes import TOTAL_HEADS, Cluster, Pool, shape, start_cluster
 
 TOKENS = 40
@@ -49,7 +50,8 @@ def _released(node: Any, want: set[str], timeout: float = 10.0) -> dict[str, str
 
 
 class Intruder:
-    """A second decode engine: its own NIXL memory and engine id, a raw reservations stream."""
+    """A second decode engine: its own NIXL memory and engine id, and a raw reservations stream
+    (``RawStream``: ``send``, ``recv``, ``recv_kind``)."""
 
     def __init__(self, endpoint: str, engine_id: str = "intruder", num_blocks: int = 64) -> None:
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -72,42 +74,12 @@ class Intruder:
             ),
             decode_ranks=[layout],
         )
-        self._out: queue.Queue[pb.DecodeMessage | None] = queue.Queue()
-        self.inbox: queue.Queue[Any] = queue.Queue()
-        self._channel = grpc.insecure_channel(endpoint)
-        self._call = pb_grpc.PrefillAgentStub(self._channel).Reservations(iter(self._out.get, None), timeout=120)
-        self._out.put(pb.DecodeMessage(hello=self.hello))
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-        first = self.recv()
-        assert isinstance(first, pb.PrefillMessage) and first.WhichOneof("body") == "hello_ack", first
-
-    def _read(self) -> None:
-        try:
-            for msg in self._call:
-                self.inbox.put(msg)
-        except grpc.RpcError as exc:
-            self.inbox.put(exc)
-
-    def send(self, **body: Any) -> None:
-        self._out.put(pb.DecodeMessage(**body))
-
-    def recv(self, timeout: float = 10.0) -> Any:
-        return self.inbox.get(timeout=timeout)
-
-    def recv_kind(self, kind: str, timeout: float = 10.0) -> Any:
-        while True:
-            msg = self.recv(timeout)
-            if isinstance(msg, grpc.RpcError):
-                raise AssertionError(f"stream ended: {msg.code()} {msg.details()}")
-            if msg.WhichOneof("body") == kind:
-                return getattr(msg, kind)
+        self.stream = RawStream(endpoint, pb.DecodeMessage(hello=self.hello), timeout=120)
+        assert self.stream.recv_kind("hello_ack") is not None
+        self.send, self.recv, self.recv_kind = self.stream.send, self.stream.recv, self.stream.recv_kind
 
     def close(self) -> None:
-        self._out.put(None)
-        self._call.cancel()
-        self._channel.close()
-        self._reader.join(5)
+        self.stream.close()
         self.engine.close()
 
 
