@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +22,10 @@ def _bool(raw: Any) -> bool:
     if isinstance(raw, str) and raw.lower() in ("1", "true", "yes", "0", "false", "no", ""):
         return raw.lower() in ("1", "true", "yes")
     raise ValueError(f"expected a boolean, got {raw!r}")
+
+
+# Field type annotation (a string: postponed annotations) -> parser of a raw config value.
+_CONVERTERS: dict[str, Callable[[Any], Any]] = {"int": int, "float": float, "str": str, "bool": _bool}
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,7 @@ class ConnectorConfig:
         for key, raw in extra.items():
             typ = known[key].type
             try:
-                values[key] = {"int": int, "float": float, "str": str, "bool": _bool}[str(typ)](raw)
+                values[key] = _CONVERTERS[str(typ)](raw)
             except (KeyError, TypeError, ValueError) as exc:
                 raise ConfigError(f"kv_connector_extra_config[{key!r}]: {exc}") from exc
         cfg = cls(engine_id=str(kv_transfer_config.engine_id), role=role, **values)

@@ -86,6 +86,7 @@ class LegGate:
 
     def _check(self, request: Any, rid: Any) -> Leg | None:
         params: Any = None
+        error: Exception
         try:
             params = request.kv_transfer_params
             leg = parse(params)

@@ -132,7 +132,7 @@ class DecodeScheduler:
             return True
         leg = self.legs.of(request)
         holder = self._holders.get(leg.transfer_id) if isinstance(leg, DecodeLeg) else None
-        if holder is None or holder == rid:
+        if holder is None or holder == rid or leg is None:
             return False
         log.warning("duplicate_transfer_id", request_id=rid, transfer_id=leg.transfer_id, holder_request_id=holder)
         self._duplicates.add(rid)
@@ -196,7 +196,7 @@ class DecodeScheduler:
             if isinstance(leg, DecodeLeg) and not tried:
                 # Ended before its blocks were allocated: free the prefill side now.
                 self.agent.release_prefill(leg.transfer_id, leg, f"decode request ended ({request.status.name})")
-        elif not received:
+        elif not received and reserved is not None:
             # Still waiting for its KV (abort, error): fence the WRITEs; the workers report the
             # request in finished_recving only once no WRITE can land, and vLLM frees the blocks then.
             self._cancelling.add(rid)

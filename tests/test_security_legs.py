@@ -425,7 +425,7 @@ class _Agent:
     def __init__(self) -> None:
         self.dialed: list[list[str]] = []
 
-    def reserve(self, tid: str, rid: str, leg: DecodeLeg, *a: Any) -> int:
+    def reserve(self, tid: str, rid: str, leg: DecodeLeg, *a: Any, **kw: Any) -> int:
         self.dialed.append(list(leg.prefill_agent_endpoints))
         return 1
 

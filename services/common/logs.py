@@ -47,4 +47,5 @@ def configure(json: bool | None = None, level: str | None = None) -> None:
 def get_logger(component: str, **bound: Any) -> structlog.typing.FilteringBoundLogger:
     if not _configured:
         configure()
-    return structlog.get_logger().bind(component=component, **bound)
+    logger: structlog.typing.FilteringBoundLogger = structlog.get_logger().bind(component=component, **bound)
+    return logger

@@ -207,8 +207,10 @@ class Security:
     def add_port(self, server: grpc.Server | grpc.aio.Server, address: str) -> int:
         """Binds ``address`` (TLS with client certificates, or plaintext); returns the port."""
         if self.secure:
-            return server.add_secure_port(address, self.server_credentials())
-        return server.add_insecure_port(address)
+            port: int = server.add_secure_port(address, self.server_credentials())
+        else:
+            port = server.add_insecure_port(address)
+        return port
 
     def aio_channel(self, target: str, options: Sequence[tuple[str, Any]] | None = None) -> grpc.aio.Channel:
         if self.secure:
@@ -297,7 +299,7 @@ def decide(rule: Rule | None, peer: PeerIdentity | None, own_name: str) -> tuple
     return None
 
 
-class Authorizer(grpc.aio.ServerInterceptor):
+class Authorizer(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no types
     """Checks every call against the policy before its handler runs (unary and streaming, async
     and sync handlers alike); refused calls end with PERMISSION_DENIED or UNAUTHENTICATED."""
 

@@ -99,6 +99,10 @@ class _Outbox:
             self.ended.set()
 
 
+def _discard(_: object) -> None:
+    """Drops a value (the handle call_soon_threadsafe returns), keeping a callback's type None."""
+
+
 def _hello_out_of_bounds(hello: pb.Hello) -> str | None:
     """The first bound a Hello breaks (checked before anything is sized by its fields)."""
     d = hello.decode
@@ -345,7 +349,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
         return None
 
-    async def Reservations(  # noqa: N802 - gRPC method name
+    async def Reservations(  # type: ignore[override]  # noqa: N802 - gRPC method name; writes via context
         self, request_iterator: AsyncIterator[pb.DecodeMessage], context: grpc.aio.ServicerContext
     ) -> None:
         try:
@@ -376,8 +380,10 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             key=key,
             identity=hello.decode,
             layouts=list(hello.decode_ranks),
-            send=lambda msg: loop.call_soon_threadsafe(outbox.put, msg),
-            close=lambda reason: loop.call_soon_threadsafe(outbox.end, grpc.StatusCode.FAILED_PRECONDITION, reason),
+            send=lambda msg: _discard(loop.call_soon_threadsafe(outbox.put, msg)),
+            close=lambda reason: _discard(
+                loop.call_soon_threadsafe(outbox.end, grpc.StatusCode.FAILED_PRECONDITION, reason)
+            ),
             lease_until=lease_until,
         )
         try:

@@ -203,7 +203,12 @@ class PushWriter:
 
     def broadcast(self, msg: pb.PrefillMessage) -> None:
         """Sends ``msg`` on every connected decode engine's stream."""
-        self.call(lambda: [session.send(msg) for session in self._sessions.values()])
+
+        def send_all() -> None:
+            for session in self._sessions.values():
+                session.send(msg)
+
+        self.call(send_all)
 
     def call(self, fn: Callable[[], Any]) -> Future[Any]:
         """Runs ``fn`` on the writer thread (for inspection in tests and benchmarks)."""

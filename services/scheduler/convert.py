@@ -34,7 +34,7 @@ _EVENT_TO_PB = {
 # Fields that appeared in later revisions of the shared schema / params contract.
 _HAS_AGENT_INCARNATIONS = "agent_incarnations" in pb.InstanceInfo.DESCRIPTOR.fields_by_name
 _DECODE_LEG_FIELDS = {f.name for f in dataclasses.fields(transfer_params.DecodeLeg)}
-_OUTCOME_FROM_PB = {
+_OUTCOME_FROM_PB: dict[int, Outcome] = {
     pb.OUTCOME_OK: Outcome.OK,
     pb.OUTCOME_FAILED: Outcome.FAILED,
     pb.OUTCOME_CANCELLED: Outcome.CANCELLED,
