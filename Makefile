@@ -6,7 +6,7 @@ export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install system-deps lock proto proto-check test test-core lint bench bench-transfer bench-scheduler bench-handoff demo certs install-systemd clean
+.PHONY: install system-deps lock proto proto-check test test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff demo certs install-systemd clean
 
 # Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
 install:
@@ -42,6 +42,11 @@ test: install system-deps proto-check lint
 
 test-core: install
 	$(PY) -m pytest -q -ra -m "not vllm" tests
+
+# Data plane on one GPU (VRAM layouts, CUDA-event fence, NIXL over cuda_ipc/cuda_copy); skips
+# with a message and exit 0 where no CUDA device is present. Needs a CUDA torch and nixl in .venv.
+gpu-check:
+	timeout 300 $(PY) -m scripts.gpu_check
 
 bench-transfer: install
 	$(PY) -m benchmarks.transfer $(ARGS)

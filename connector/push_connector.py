@@ -18,7 +18,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
-    SupportsHMA,
 )
 
 if TYPE_CHECKING:
@@ -30,8 +29,13 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
-class KvPushConnector(KVConnectorBase_V1, SupportsHMA):
+# Not ``SupportsHMA``: kvpush pushes one KV-cache group (connector/kv_groups.py), so vLLM turns the
+# hybrid KV-cache manager off, and an engine left with several groups is refused here.
+class KvPushConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        from kvpush.connector.kv_groups import require_single_group
+
+        require_single_group(kv_cache_config)
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         from kvpush.connector.config import ConnectorConfig
         from kvpush.connector.kv_layout import default_model_id

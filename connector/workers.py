@@ -1,8 +1,10 @@
 """Worker-side halves of the connector (one instance per vLLM worker rank).
 
-Decode: registers the KV caches with NIXL, runs the rank's completion server and NIXL poller,
-and reports released transfers. Prefill: runs the rank's agent and push writer, hands it each
-transfer whose KV the step just computed, and reports blocks it no longer needs.
+Decode: registers the KV caches with NIXL (once, in ``create_rank``), runs the rank's completion
+server and NIXL poller, and reports released transfers. Prefill: registers its KV caches, runs the
+rank's agent and push writer, hands it each transfer whose KV the step just computed once the
+step's compute fence has passed (a CUDA event on GPUs, nothing on CPU), and reports blocks it no
+longer needs.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from kvpush.connector.compute_fence import FenceFactory, FenceGate, NoFence, fence_factory
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.kv_layout import KvDescription, describe
 from kvpush.connector.messages import PushMetadata, RankHandshake
@@ -30,14 +33,15 @@ def _tp() -> tuple[int, int]:
     return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
 
 
-def _register_memory(
+def _describe(
     cfg: ConnectorConfig, kv_caches: dict[str, Any], model_id: str, incarnation: str, side: str
 ) -> tuple[int, int, KvDescription, NixlEngine]:
-    """Describes this rank's KV caches and registers them with a new NIXL engine."""
+    """Describes this rank's KV caches and makes its NIXL engine (nothing registered yet)."""
     rank, tp = _tp()
     desc = describe(kv_caches, tp, model_id)
     engine = NixlEngine(f"kvpush-{cfg.engine_id}-{incarnation[:8]}-{side}{rank}", cfg.ucx_params())
-    engine.register(desc.ranges)
+    mem_type, device_id = desc.regions.memory()
+    log.info("kv_caches_described", rank=rank, layout=desc.shape.layout, mem_type=mem_type, device=device_id)
     return rank, tp, desc, engine
 
 
@@ -50,7 +54,7 @@ class DecodeWorker:
         self._handshake: RankHandshake | None = None
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        rank, tp, desc, engine = _register_memory(self.cfg, kv_caches, self.model_id, self.incarnation, "d")
+        rank, tp, desc, engine = _describe(self.cfg, kv_caches, self.model_id, self.incarnation, "d")
         rcfg = DecodeRankConfig(
             engine_id=self.cfg.engine_id,
             rank=rank,
@@ -110,10 +114,14 @@ class PrefillWorker:
         self._released: set[str] = set()  # request ids the agent no longer needs
         self._finished: set[str] = set()  # request ids the scheduler has finished
         self._active: set[str] = set()  # request ids handed to the agent
+        self._fence: FenceFactory = NoFence
+        self._gate = FenceGate("kvpush-fence-gate")
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         incarnation = new_incarnation()
-        rank, tp, desc, engine = _register_memory(self.cfg, kv_caches, self.model_id, incarnation, "p")
+        rank, tp, desc, engine = _describe(self.cfg, kv_caches, self.model_id, incarnation, "p")
+        engine.register(desc.ranges, *desc.regions.memory())
+        self._fence = fence_factory(*desc.regions.memory())
         acfg = PrefillAgentConfig(
             engine_id=self.cfg.engine_id,
             rank=rank,
@@ -147,17 +155,31 @@ class PrefillWorker:
             self._released.add(rel.request_id)
 
     def wait_for_save(self, meta: PushMetadata | None) -> None:
-        """Runs right after the step's forward: the KV of ``finished_prefills`` is in memory."""
-        if meta is None or self.agent is None:
+        """Runs right after the step's forward was launched: the KV of ``finished_prefills`` is
+        in memory once this step's fence passes. Never blocks: the gate thread waits on the fence
+        and then hands the transfers to the writer (aborts take the same path, so they keep their
+        order relative to the transfers)."""
+        if meta is None or self.agent is None or not (meta.finished_prefills or meta.aborted):
             return
+        agent = self.agent
+        fence = self._fence()
         for fp in meta.finished_prefills:
             with self._lock:
                 self._active.add(fp.request_id)
-            self.agent.prefill_done(
-                fp.transfer_id, fp.request_id, fp.block_ids, fp.num_tokens, decode_engine_id=fp.decode_engine_id
-            )
+
+            def done(fp: Any = fp) -> None:
+                agent.prefill_done(
+                    fp.transfer_id, fp.request_id, fp.block_ids, fp.num_tokens, decode_engine_id=fp.decode_engine_id
+                )
+
+            def failed(fp: Any = fp) -> None:
+                agent.prefill_aborted(fp.transfer_id, decode_engine_id=fp.decode_engine_id)
+
+            self._gate.submit(fence, done, failed)
         for ab in meta.aborted:
-            self.agent.prefill_aborted(ab.transfer_id, decode_engine_id=ab.decode_engine_id)
+            self._gate.submit(
+                fence, lambda ab=ab: agent.prefill_aborted(ab.transfer_id, decode_engine_id=ab.decode_engine_id)
+            )
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose blocks may be freed: released by the agent *and* finished by the
@@ -171,6 +193,7 @@ class PrefillWorker:
         return ready
 
     def shutdown(self) -> None:
+        self._gate.stop()
         if self.agent is not None:
             self.agent.stop()
             self.agent = None

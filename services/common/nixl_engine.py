@@ -1,9 +1,10 @@
-"""Thin wrapper around one NIXL agent with the UCX backend and DRAM regions.
+"""Thin wrapper around one NIXL agent with the UCX backend and DRAM or VRAM regions.
 
 No progress thread (it costs a core's worth of wake-ups on small machines): the target side
 keeps the agent progressing by calling :meth:`NixlEngine.progress` from its poller. NIXL reports
 errors (remote disconnect, bad descriptors) as exceptions; callers turn them into failed
-transfers. One engine is used from one thread at a time.
+transfers. One engine is used from one thread at a time. Memory is registered once: a range
+already covered by an earlier registration of the same memory is skipped.
 """
 
 from __future__ import annotations
@@ -14,6 +15,11 @@ import importlib
 from typing import Any
 
 import numpy as np
+
+from kvpush.services.common.descs import DRAM, mem_type_of
+from kvpush.services.common.logs import get_logger
+
+log = get_logger("kvpush.nixl")
 
 
 class NixlError(RuntimeError):
@@ -36,7 +42,8 @@ class NixlEngine:
         self._base_name = name
         self._backend_params = dict(backend_params or {})
         self._generation = 0
-        self._ranges: list[list[tuple[int, int]]] = []
+        # Per registration: (ranges, memory type, device id), to register again after a reset.
+        self._ranges: list[tuple[list[tuple[int, int]], str, int]] = []
         self._registrations: list[Any] = []
         self.name = name
         self.agent = self._new_agent(name)
@@ -47,11 +54,27 @@ class NixlEngine:
         agent.create_backend("UCX", self._backend_params)
         return agent
 
-    def register(self, ranges: list[tuple[int, int]]) -> None:
-        """Registers DRAM ranges (address, length) for remote access."""
-        descs = self.agent.get_reg_descs([(addr, length, 0, "") for addr, length in ranges], "DRAM")
+    def registered(self, addr: int, length: int, mem_type: str = DRAM, device_id: int = 0) -> bool:
+        """Whether one registration already covers ``[addr, addr + length)`` of this memory."""
+        return any(
+            a <= addr and addr + length <= a + n
+            for ranges, mt, dev in self._ranges
+            if (mt, dev) == (mem_type, device_id)
+            for a, n in ranges
+        )
+
+    def register(self, ranges: list[tuple[int, int]], mem_type: str = DRAM, device_id: int = 0) -> int:
+        """Registers ranges (address, length) of ``mem_type`` ("DRAM" or "VRAM" on ``device_id``)
+        for remote access, skipping those already registered. Returns how many were registered."""
+        new = [(a, n) for a, n in ranges if not self.registered(a, n, mem_type, device_id)]
+        if len(new) < len(ranges):
+            log.debug("nixl_register_skipped", ranges=len(ranges) - len(new), mem_type=mem_type)
+        if not new:
+            return 0
+        descs = self.agent.get_reg_descs([(addr, length, device_id, "") for addr, length in new], mem_type)
         self._registrations.append(self.agent.register_memory(descs))
-        self._ranges.append(list(ranges))
+        self._ranges.append((new, mem_type, device_id))
+        return len(new)
 
     def reset(self) -> None:
         """Destroys the NIXL agent, its UCX worker and every connection with whatever is still
@@ -71,8 +94,8 @@ class NixlEngine:
         self.name = f"{self._base_name}-g{self._generation}"
         self.agent = self._new_agent(self.name)
         ranges, self._ranges = self._ranges, []
-        for r in ranges:
-            self.register(r)
+        for r, mem_type, device_id in ranges:
+            self.register(r, mem_type, device_id)
 
     def metadata(self) -> bytes:
         return bytes(self.agent.get_agent_metadata())
@@ -88,13 +111,14 @@ class NixlEngine:
             raise NixlError(f"remove_remote_agent({name}): {exc}") from exc
 
     def post_write(self, local: np.ndarray, remote: np.ndarray, peer: str) -> tuple[Any, str]:
-        """Posts one WRITE of descriptor rows (addr, len, dev); returns (handle, state)."""
+        """Posts one WRITE of descriptor rows (addr, len, dev); returns (handle, state). Each side's
+        memory type comes from its rows (a ``MemDescs`` from the planner; plain arrays: DRAM)."""
         handle = None
         try:
             handle = self.agent.initialize_xfer(
                 "WRITE",
-                self.agent.get_xfer_descs(local, "DRAM"),
-                self.agent.get_xfer_descs(remote, "DRAM"),
+                self.agent.get_xfer_descs(np.asarray(local), mem_type_of(local)),
+                self.agent.get_xfer_descs(np.asarray(remote), mem_type_of(remote)),
                 peer,
                 b"",
             )

@@ -1,6 +1,6 @@
 """Decode rank: one per decode worker rank.
 
-Owns the rank's NIXL engine (KV regions registered as DRAM), keeps it progressing from a poller
+Owns the rank's NIXL engine (KV regions registered once, DRAM or VRAM), keeps it progressing from a poller
 thread while transfers are expected (WRITEs over some transports only finish when the target
 calls into NIXL), and serves ``DecodeRank``: expectations from the agent, completions from the
 prefill ranks, settlements from the agent. Released transfers are handed to the host (vLLM's
@@ -22,7 +22,7 @@ from kvpush.services.common import limits
 from kvpush.services.common.aio_thread import LoopThread
 from kvpush.services.common.grpc_util import start_aio_server
 from kvpush.services.common.handoff import Handoff
-from kvpush.services.common.layout import ModelShape, RankRegions, layout_message
+from kvpush.services.common.layout import ModelShape, RankRegions, layout_message, register_spans
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.nixl_engine import NixlEngine
 from kvpush.services.common.security import DECODE_RANK_POLICY, PREFILL, Security, claim_problem, peer_identity
@@ -34,6 +34,11 @@ from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 log = get_logger("decode.rank")
 
 _OUTCOME = {pb.TRANSFER_STATUS_FAILED: Outcome.FAILED, pb.TRANSFER_STATUS_CANCELLED: Outcome.CANCELLED}
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 def _status(exc: CompletionError) -> grpc.StatusCode:
@@ -167,7 +172,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             if waiters:
                 self._drain_now()
                 for loop, fut in waiters:
-                    loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+                    loop.call_soon_threadsafe(_resolve, fut)
 
     def _drain_now(self) -> None:
         end = time.monotonic() + self.config.drain_s
@@ -312,6 +317,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         outcome = _OUTCOME.get(request.status)
         if outcome is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "settlement status must be FAILED or CANCELLED")
+            raise AssertionError("unreachable")
         if len(request.transfer_id) > limits.MAX_ID_CHARS:
             log.warning("settle_refused", reason="transfer id too long")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ids are at most {limits.MAX_ID_CHARS} characters")
@@ -335,6 +341,7 @@ def create_rank(
     local: RankRegions,
     on_release: Callable[[Released], None] | None = None,
 ) -> DecodeRank:
-    """Registers the rank's regions with NIXL and starts its server."""
-    engine.register([(r.base_addr, r.num_blocks * r.block_stride) for r in local.regions])
+    """Registers the rank's regions with NIXL (once: memory the engine already registered is
+    skipped) and starts its server."""
+    engine.register(register_spans(local), *local.memory())
     return DecodeRank(config, engine, local, on_release).start()

@@ -1,8 +1,11 @@
 """Write planning (pure): block ids -> merged byte ranges -> NIXL descriptor arrays.
 
-A ``BlockRun`` is a stretch of blocks contiguous on both sides. When a head slice covers whole
-blocks on both sides and blocks are packed (stride == block bytes), a run becomes a single
-descriptor; otherwise each block contributes one descriptor for its head slice.
+Per layer, the head slice's byte ranges inside one block are derived on each side from the
+region's block pattern (:mod:`kvpush.services.common.block_ranges`), paired byte for byte, and
+repeated for every block pair; descriptors that continue each other on both sides are merged (a
+run of blocks packed on both sides becomes one descriptor; with cross-layer caches, whose blocks
+hold every layer, a block run of all layers becomes one). A ``BlockRun`` is a stretch of blocks
+contiguous on both sides.
 """
 
 from __future__ import annotations
@@ -12,8 +15,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpush.services.common.layout import RankRegions, Region
+from kvpush.services.common.block_ranges import (
+    BlockPattern,
+    RangeError,
+    merge_descriptors,
+    pair_ranges,
+    slice_ranges,
+)
+from kvpush.services.common.descs import MemDescs, mem_descs
+from kvpush.services.common.layout import HEAD_SLICEABLE, LayoutError, RankRegions, Region, region_pieces
 from kvpush.services.common.tp import HeadSlice
+from kvpush.v1 import kvpush_pb2 as pb
 
 
 class PlanError(ValueError):
@@ -32,7 +44,7 @@ class WritePlan:
     """Descriptors for one destination rank: rows of (addr, length, dev_id)."""
 
     decode_rank: int
-    local: np.ndarray
+    local: np.ndarray  # a MemDescs when planned: it carries the list's NIXL memory type
     remote: np.ndarray
 
     @property
@@ -91,6 +103,34 @@ def check_block_ids(ids: Sequence[int], regions: Sequence[Region], group: int, s
         raise PlanError(f"{side} block id {hi if hi >= limit else lo} outside the registered region (0..{limit - 1})")
 
 
+def layout_name(kind: int) -> str:
+    return pb.KvLayout.Name(kind).removeprefix("KV_LAYOUT_") if kind in pb.KvLayout.values() else str(kind)
+
+
+def slice_problem(src: RankRegions, dst: RankRegions, head_slice: HeadSlice) -> str | None:
+    """Why ``head_slice`` cannot be written from ``src`` into ``dst``, or None."""
+    if src.kind != dst.kind:
+        return f"layout kinds differ: {layout_name(src.kind)} here, {layout_name(dst.kind)} on decode"
+    partial = head_slice.num_heads != src.num_heads or head_slice.num_heads != dst.num_heads
+    if partial and src.kind not in HEAD_SLICEABLE:
+        return (
+            f"the {layout_name(src.kind)} layout cannot be split by heads (a head slice of a block is not one "
+            "range per K/V half), so prefill and decode TP must be equal; heterogeneous TP needs a head-major "
+            "layout (HND: VLLM_KV_CACHE_LAYOUT=HND, or LBHNC)"
+        )
+    return None
+
+
+def _pattern(regions: RankRegions, region: Region) -> BlockPattern:
+    pieces, head_stride = region_pieces(region, regions.block_bytes // regions.num_heads)
+    return BlockPattern(tuple(sorted(pieces)), head_stride, regions.num_heads)
+
+
+def _gapped(regions: RankRegions, region: Region, pattern: BlockPattern) -> bool:
+    """Blocks with room between them (other layers' blocks in a cross-layer cache, or padding)."""
+    return pattern.head_bytes * regions.num_heads < region.block_stride
+
+
 def plan_writes(
     src: RankRegions,
     dst: RankRegions,
@@ -106,51 +146,74 @@ def plan_writes(
         raise PlanError(f"layout mismatch: {len(src.regions)} local vs {len(dst.regions)} remote layers")
     if len(src_ids) != len(dst_ids):
         raise PlanError(f"group count mismatch: {len(src_ids)} vs {len(dst_ids)}")
+    if not src.num_heads or not dst.num_heads:
+        raise PlanError("layout mismatch: a side holds no KV heads")
     head_bytes = src.block_bytes // src.num_heads
     if dst.block_bytes // dst.num_heads != head_bytes:
         raise PlanError(f"layout mismatch: head bytes {head_bytes} vs {dst.block_bytes // dst.num_heads}")
+    problem = slice_problem(src, dst, head_slice)
+    if problem is not None:
+        raise PlanError(problem)
+    try:
+        (local_mem, local_dev), (remote_mem, remote_dev) = src.memory(), dst.memory()
+    except LayoutError as exc:
+        raise PlanError(str(exc)) from exc
     for g, (s_ids, d_ids) in enumerate(zip(src_ids, dst_ids, strict=True)):
         if len(s_ids) != len(d_ids):
             raise PlanError(f"block count mismatch in group {g}: {len(s_ids)} source vs {len(d_ids)} destination")
         check_block_ids(s_ids, src.regions, g, "source")
         check_block_ids(d_ids, dst.regions, g, "destination")
 
-    src_off = head_slice.src_head * head_bytes
-    dst_off = head_slice.dst_head * head_bytes
-    nbytes = head_slice.num_heads * head_bytes
-    whole = nbytes == src.block_bytes == dst.block_bytes
-    runs_per_group = [block_runs(s, d) for s, d in zip(src_ids, dst_ids, strict=True)] if whole else []
     ids_per_group = [
         (np.asarray(s, dtype=np.uint64), np.asarray(d, dtype=np.uint64)) for s, d in zip(src_ids, dst_ids, strict=True)
     ]
-
-    local_parts: list[np.ndarray] = []
-    remote_parts: list[np.ndarray] = []
+    segments: dict[tuple[BlockPattern, BlockPattern], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    gapped = False
     for s_reg, d_reg in zip(src.regions, dst.regions, strict=True):
         if s_reg.group != d_reg.group:
             raise PlanError("layout mismatch: layer groups differ")
         g = s_reg.group
         if g >= len(ids_per_group):
             raise PlanError(f"no block ids for KV-cache group {g}")
-        packed = whole and s_reg.block_stride == src.block_bytes and d_reg.block_stride == dst.block_bytes
-        if packed:
-            runs = runs_per_group[g]
-            if not len(runs):
-                continue
-            lens = runs.lengths * np.uint64(nbytes)
-            s_addr = np.uint64(s_reg.base_addr) + runs.src_starts * np.uint64(s_reg.block_stride)
-            d_addr = np.uint64(d_reg.base_addr) + runs.dst_starts * np.uint64(d_reg.block_stride)
-        else:
-            s_blocks, d_blocks = ids_per_group[g]
-            if not len(s_blocks):
-                continue
-            s_addr = np.uint64(s_reg.base_addr + src_off) + s_blocks * np.uint64(s_reg.block_stride)
-            d_addr = np.uint64(d_reg.base_addr + dst_off) + d_blocks * np.uint64(d_reg.block_stride)
-            lens = np.full(len(s_blocks), nbytes, dtype=np.uint64)
-        zeros = np.zeros(len(lens), dtype=np.uint64)
-        local_parts.append(np.stack((s_addr, lens, zeros), axis=1))
-        remote_parts.append(np.stack((d_addr, lens, zeros), axis=1))
-    empty = np.zeros((0, 3), dtype=np.uint64)
-    local = np.concatenate(local_parts) if local_parts else empty
-    remote = np.concatenate(remote_parts) if remote_parts else empty
-    return WritePlan(head_slice.decode_rank, local, remote)
+        s_blocks, d_blocks = ids_per_group[g]
+        if not len(s_blocks):
+            continue
+        sp, dp = _pattern(src, s_reg), _pattern(dst, d_reg)
+        gapped = gapped or _gapped(src, s_reg, sp) or _gapped(dst, d_reg, dp)
+        key = (sp, dp)
+        if key not in segments:
+            try:
+                segments[key] = pair_ranges(
+                    slice_ranges(sp, head_slice.src_head, head_slice.num_heads),
+                    slice_ranges(dp, head_slice.dst_head, head_slice.num_heads),
+                )
+            except RangeError as exc:
+                raise PlanError(f"layout mismatch: {exc}") from exc
+        s_off, d_off, lens = segments[key]
+        s_addr = (np.uint64(s_reg.base_addr) + s_blocks * np.uint64(s_reg.block_stride))[:, None] + s_off[None, :]
+        d_addr = (np.uint64(d_reg.base_addr) + d_blocks * np.uint64(d_reg.block_stride))[:, None] + d_off[None, :]
+        # Range by range, then block by block: a run of blocks then continues in each range (the
+        # K half of block b+1 follows the K half of block b, not its V half).
+        parts.append((s_addr.T.ravel(), d_addr.T.ravel(), np.repeat(lens, len(s_blocks))))
+    if gapped and parts:
+        # Cross-layer blocks: order every layer's ranges by source address so a block's layers meet.
+        s_all, d_all, n_all = (np.concatenate(x) for x in zip(*parts, strict=True))
+        order = np.argsort(s_all, kind="stable")
+        parts = [(s_all[order], d_all[order], n_all[order])]
+    merged = [merge_descriptors(*p) for p in parts]
+    return WritePlan(
+        head_slice.decode_rank,
+        _rows(merged, 0, local_mem, local_dev),
+        _rows(merged, 1, remote_mem, remote_dev),
+    )
+
+
+def _rows(
+    merged: list[tuple[np.ndarray, np.ndarray, np.ndarray]], side: int, mem_type: str, device_id: int
+) -> MemDescs:
+    if not merged:
+        return mem_descs(np.zeros((0, 3), dtype=np.uint64), mem_type)
+    addr = np.concatenate([m[side] for m in merged])
+    lens = np.concatenate([m[2] for m in merged])
+    return mem_descs(np.stack((addr, lens, np.full(len(addr), device_id, dtype=np.uint64)), axis=1), mem_type)
