@@ -6,7 +6,7 @@ export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install system-deps lock proto proto-check test test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff demo certs install-systemd clean
+.PHONY: install system-deps lock proto proto-check typecheck check test test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff demo certs install-systemd clean
 
 # Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
 install:
@@ -36,8 +36,15 @@ lint: install
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
 
-# Everything CI runs: generated-code check, lint, every test (real gRPC, NIXL and vLLM).
-test: install system-deps proto-check lint
+# mypy --strict over kvpush.services and kvpush.connector (scripts/typecheck.sh).
+typecheck: install
+	scripts/typecheck.sh
+
+# Static checks: generated code up to date, lint and format, types.
+check: proto-check lint typecheck
+
+# Everything CI runs: the static checks, then every test (real gRPC, NIXL and vLLM).
+test: install system-deps check
 	$(PY) -m pytest -q -ra --durations=15 tests
 
 test-core: install

@@ -39,7 +39,7 @@ class CudaEventFence:
     def __init__(self, device: int) -> None:
         import torch
 
-        self.event: Any = torch.cuda.Event()
+        self.event: Any = torch.cuda.Event()  # type: ignore[no-untyped-call]
         self.event.record(torch.cuda.current_stream(device))
 
     def wait(self) -> None:

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
+    from kvpush.connector.roles import SchedulerHalf, WorkerHalf
+
 
 # Not ``SupportsHMA``: kvpush pushes one KV-cache group (connector/kv_groups.py), so vLLM turns the
 # hybrid KV-cache manager off, and an engine left with several groups is refused here.
@@ -46,28 +48,27 @@ class KvPushConnector(KVConnectorBase_V1):
         self.cfg = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config)
         model_id = self.cfg.model_id or default_model_id(vllm_config.model_config.model)
         self._num_groups = max(1, len(kv_cache_config.kv_cache_groups)) if kv_cache_config else 1
-        self.decode_sched: Any = None
-        self.prefill_sched: Any = None
-        self.decode_worker: Any = None
-        self.prefill_worker: Any = None
+        # One half per process, of this engine's role (connector/roles.py).
+        self.scheduler: SchedulerHalf | None = None
+        self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
             from kvpush.connector.schedulers import DecodeScheduler, PrefillScheduler
 
-            if self.cfg.role == "decode":
-                self.decode_sched = DecodeScheduler(self.cfg, vllm_config)
-            else:
-                self.prefill_sched = PrefillScheduler(self.cfg, vllm_config)
+            self.scheduler = (DecodeScheduler if self.cfg.role == "decode" else PrefillScheduler)(self.cfg, vllm_config)
         else:
             from kvpush.connector.workers import DecodeWorker, PrefillWorker
 
-            if self.cfg.role == "decode":
-                self.decode_worker = DecodeWorker(self.cfg, model_id)
-            else:
-                self.prefill_worker = PrefillWorker(self.cfg, model_id)
+            self.worker = (DecodeWorker if self.cfg.role == "decode" else PrefillWorker)(self.cfg, model_id)
 
     @property
-    def _sched(self) -> Any:
-        return self.decode_sched or self.prefill_sched
+    def _sched(self) -> SchedulerHalf:
+        assert self.scheduler is not None, "a scheduler-side hook called in a worker process"
+        return self.scheduler
+
+    @property
+    def _worker(self) -> WorkerHalf:
+        assert self.worker is not None, "a worker-side hook called in the scheduler process"
+        return self.worker
 
     # ----- scheduler side -----------------------------------------------------------------
 
@@ -82,17 +83,11 @@ class KvPushConnector(KVConnectorBase_V1):
         return tuple(range(self._num_groups))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        from kvpush.connector.messages import PushMetadata
-
-        if self.prefill_sched is not None:
-            return self.prefill_sched.build_connector_meta(scheduler_output)
-        return PushMetadata()
+        return self._sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self.decode_sched is not None:
-            self.decode_sched.update_connector_output(set(connector_output.finished_recving or ()))
-        elif self.prefill_sched is not None:
-            self.prefill_sched.update_connector_output(set(connector_output.finished_sending or ()))
+        done = connector_output.finished_recving if self.cfg.role == "decode" else connector_output.finished_sending
+        self._sched.update_connector_output(set(done or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self._sched.request_finished(request)
@@ -106,15 +101,18 @@ class KvPushConnector(KVConnectorBase_V1):
         return self._sched.has_pending_push_work()
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        self._sched.set_handshakes(metadata, getattr(self, "_kv_cache_manager", None))
+        from kvpush.connector.messages import RankHandshake
+
+        handshakes = {rank: m for rank, m in metadata.items() if isinstance(m, RankHandshake)}
+        self._sched.set_handshakes(handshakes, getattr(self, "_kv_cache_manager", None))
 
     # ----- worker side --------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        (self.decode_worker or self.prefill_worker).register_kv_caches(kv_caches)
+        self._worker.register_kv_caches(kv_caches)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        return (self.decode_worker or self.prefill_worker).handshake()
+        return self._worker.handshake()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # decode never loads: prefill pushes
@@ -126,23 +124,26 @@ class KvPushConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_save(self) -> None:
-        if self.prefill_worker is not None:
-            meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-            self.prefill_worker.wait_for_save(meta)
+        from kvpush.connector.messages import PushMetadata
+
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        self._worker.wait_for_save(meta if isinstance(meta, PushMetadata) else None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        if self.decode_worker is not None:
-            done, failed = self.decode_worker.transfer_results()
-            return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
-        if self.prefill_worker is not None:
-            return KVConnectorTransferResults(finished_sending=self.prefill_worker.finished_sending(finished_req_ids))
-        return KVConnectorTransferResults()
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        res = self.worker.transfer_results(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=res.finished_sending,
+            finished_recving=res.finished_recving,
+            failed_recving=res.failed_recving,
+        )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)
         return res.finished_sending or None, res.finished_recving or None
 
     def shutdown(self) -> None:
-        for part in (self.decode_sched, self.prefill_sched, self.decode_worker, self.prefill_worker):
+        for part in (self.scheduler, self.worker):
             if part is not None:
                 part.shutdown()

@@ -167,6 +167,9 @@ class DecodeScheduler:
         self._holders.setdefault(leg.transfer_id, rid)
         self._unfilled[rid] = sum(len(g) for g in new)
 
+    def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
+        return PushMetadata()  # decode workers have nothing to do per step
+
     def update_connector_output(self, finished_recving: set[str]) -> None:
         for rid in finished_recving:
             self._cancelling.discard(rid)

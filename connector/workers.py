@@ -15,7 +15,8 @@ from typing import Any
 from kvpush.connector.compute_fence import FenceFactory, FenceGate, NoFence, fence_factory
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.kv_layout import KvDescription, describe
-from kvpush.connector.messages import PushMetadata, RankHandshake
+from kvpush.connector.messages import AbortedPrefill, PushMetadata, RankHandshake
+from kvpush.connector.roles import TransferResults
 from kvpush.services.common.layout import new_incarnation
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.nixl_engine import NixlEngine
@@ -84,19 +85,22 @@ class DecodeWorker:
     def handshake(self) -> RankHandshake | None:
         return self._handshake
 
-    def transfer_results(self) -> tuple[set[str], set[str]]:
-        """(finished_recving, failed_recving): each released request exactly once."""
-        done: set[str] = set()
-        failed: set[str] = set()
+    def wait_for_save(self, meta: PushMetadata | None) -> None:
+        return None  # decode saves nothing: prefill pushes into it
+
+    def transfer_results(self, finished_req_ids: set[str] | None = None) -> TransferResults:
+        """Requests the rank's barriers released (finished_recving), each exactly once; those not
+        released OK also in failed_recving."""
+        out = TransferResults()
         if self.rank is None:
-            return done, failed
+            return out
         released: list[Released] = self.rank.take_released()
         for rel in released:
-            done.add(rel.request_id)
+            out.finished_recving.add(rel.request_id)
             # Only OK is a load: CANCELLED (a fenced or superseded reservation) wrote nothing usable.
             if rel.outcome is not Outcome.OK:
-                failed.add(rel.request_id)
-        return done, failed
+                out.failed_recving.add(rel.request_id)
+        return out
 
     def shutdown(self) -> None:
         if self.rank is not None:
@@ -177,9 +181,11 @@ class PrefillWorker:
 
             self._gate.submit(fence, done, failed)
         for ab in meta.aborted:
-            self._gate.submit(
-                fence, lambda ab=ab: agent.prefill_aborted(ab.transfer_id, decode_engine_id=ab.decode_engine_id)
-            )
+
+            def aborted(ab: AbortedPrefill = ab) -> None:
+                agent.prefill_aborted(ab.transfer_id, decode_engine_id=ab.decode_engine_id)
+
+            self._gate.submit(fence, aborted)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose blocks may be freed: released by the agent *and* finished by the
@@ -191,6 +197,9 @@ class PrefillWorker:
             self._finished -= ready
             self._active -= ready
         return ready
+
+    def transfer_results(self, finished_req_ids: set[str]) -> TransferResults:
+        return TransferResults(finished_sending=self.finished_sending(finished_req_ids))
 
     def shutdown(self) -> None:
         self._gate.stop()

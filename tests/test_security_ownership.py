@@ -393,7 +393,8 @@ def test_decode_worker_reports_only_ok_as_a_successful_load() -> None:
         Released("c", 1, "cancelled-req", Outcome.CANCELLED, "superseded"),
     ]
     w.rank = SimpleNamespace(take_released=lambda: rels)  # type: ignore[assignment]
-    done, failed = w.transfer_results()
+    results = w.transfer_results()
+    done, failed = results.finished_recving, results.failed_recving
     assert done == {"ok-req", "failed-req", "cancelled-req"}
     assert failed == {"failed-req", "cancelled-req"}
 

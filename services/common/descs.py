@@ -15,7 +15,7 @@ import numpy as np
 DRAM = "DRAM"
 
 
-class MemDescs(np.ndarray):  # type: ignore[type-arg]
+class MemDescs(np.ndarray):
     mem_type: str
 
     def __array_finalize__(self, obj: Any) -> None:

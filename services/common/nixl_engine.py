@@ -149,7 +149,8 @@ class NixlEngine:
 
     def progress(self) -> dict[str, list[bytes]]:
         """Drives the agent (needed on the target for WRITEs to complete) and drains notifications."""
-        return self.agent.get_new_notifs()
+        notifs: dict[str, list[bytes]] = self.agent.get_new_notifs()
+        return notifs
 
     def close(self) -> None:
         for reg in self._registrations:

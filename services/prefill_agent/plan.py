@@ -104,7 +104,9 @@ def check_block_ids(ids: Sequence[int], regions: Sequence[Region], group: int, s
 
 
 def layout_name(kind: int) -> str:
-    return pb.KvLayout.Name(kind).removeprefix("KV_LAYOUT_") if kind in pb.KvLayout.values() else str(kind)
+    if kind not in pb.KvLayout.values():
+        return str(kind)
+    return pb.KvLayout.Name(pb.KvLayout.ValueType(kind)).removeprefix("KV_LAYOUT_")
 
 
 def slice_problem(src: RankRegions, dst: RankRegions, head_slice: HeadSlice) -> str | None:
