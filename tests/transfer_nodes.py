@@ -147,6 +147,7 @@ def prefill_node(
         write_timeout_s=write_timeout_s,
         security=_security(engine_id),
         lease_s=LEASE_S,
+        host=os.environ.get("KVPUSH_TEST_HOST", "127.0.0.1"),  # tests/test_netns.py: a namespace's address
     )
     agent = PrefillAgent(cfg, engine, regions).start()
     # A gate in front of the real NIXL post, so a test can hold the writer inside a WRITE.
@@ -330,7 +331,14 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
         real_progress = engine.progress
         # A switch in front of the real NIXL progress, so a test can make this target stall.
         engine.progress = lambda real=real_progress: real() if progress_allowed.is_set() else {}  # type: ignore[method-assign]
-        cfg = DecodeRankConfig(engine_id=engine_id, rank=d, tp_size=tp_size, shape=shape(), security=security)
+        cfg = DecodeRankConfig(
+            engine_id=engine_id,
+            rank=d,
+            tp_size=tp_size,
+            shape=shape(),
+            security=security,
+            host=os.environ.get("KVPUSH_TEST_HOST", "127.0.0.1"),
+        )
         ranks.append(create_rank(cfg, engine, pool.regions(), on_release=on_release(d)))
     agent = DecodeAgent(
         DecodeAgentConfig(
