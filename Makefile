@@ -6,7 +6,7 @@ export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install system-deps lock proto proto-check typecheck check test test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff demo certs install-systemd clean
+.PHONY: install system-deps lock proto proto-check typecheck check test test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff soak test-faults demo certs install-systemd clean
 
 # Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
 install:
@@ -47,6 +47,12 @@ check: proto-check lint typecheck
 test: install system-deps check
 	$(PY) -m pytest -q -ra --durations=15 tests
 
+# The fault-injection suite alone (all of it also runs in `make test`): kill -9, cut, drop,
+# duplicate, delay, restart, on the transfer core, network namespaces and real vLLM.
+test-faults: install
+	$(PY) -m pytest -q -ra tests/test_transfer_faults.py tests/test_netns.py tests/test_pd_faults.py \
+	  tests/test_transfer_e2e.py -k "fault or kill or restart or cut or stall or frozen or drop or dup or late or namespace or netns or retried"
+
 test-core: install
 	$(PY) -m pytest -q -ra -m "not vllm" tests
 
@@ -67,6 +73,11 @@ bench-handoff: install
 
 bench: install
 	$(PY) -m benchmarks.serving $(if $(QUICK),--quick,) $(ARGS)
+
+# 20 minutes of load through Generate on 2P1D with random faults (kill -9 and SIGSTOP prefill,
+# scheduler restart, kill -9 decode); writes docs/soak.md and docs/img/soak_rss.png. Not in CI.
+soak: install
+	$(PY) -m benchmarks.soak $(ARGS)
 
 demo: install
 	$(PY) -m scripts.demo $(ARGS)

@@ -423,7 +423,11 @@ def test_cut_control_path_stops_writes_by_the_lease() -> None:
         assert left and left[0] <= 0, f"lease not expired, or the session already lost: {left}"
         c.done_all(tid, [5, 6], TOKENS)  # the KV is ready, but the lease is gone
         released = c.prefill[0].call("released", 10.0, timeout=20)
-        assert [t for t, _ in released] == [tid] and "lease expired" in released[0][1], released
+        # Held for a renewal that never comes, then refused at the hold bound, or dropped with the
+        # session if that ends first: either way nothing was posted.
+        assert [t for t, _ in released] == [tid], released
+        assert "lease expired" in released[0][1] or "stream lost before the write" in released[0][1], released
+        assert c.prefill[0].call("timeline")["posts"] == [], "a WRITE was posted without a lease"
         res = _wait(c, [tid], timeout=20)
         assert res["settled"][tid] is not None and res["settled"][tid][0] == "failed", res
         assert c.decode.call("zero_blocks", [50, 51]) == [50, 51]

@@ -122,9 +122,11 @@ def prefill_node(
     auth: str,
     write_timeout_s: float = WRITE_TIMEOUT_S,
     decode_engine_id: str = "",
+    port: int = 0,
 ) -> None:
     """``decode_engine_id``: the decode engine that prefill legs name unless a command says
-    otherwise; by default the cluster's (``prefill<tag>`` pairs with ``decode<tag>``)."""
+    otherwise; by default the cluster's (``prefill<tag>`` pairs with ``decode<tag>``). ``port``:
+    the agent's port (0: a free one), so a test can restart a rank on the same address."""
     _env()
     decode_engine_id = decode_engine_id or engine_id.replace("prefill", "decode", 1)
     from kvpush.services.common.nixl_engine import NixlEngine
@@ -148,6 +150,7 @@ def prefill_node(
         security=_security(engine_id),
         lease_s=LEASE_S,
         host=os.environ.get("KVPUSH_TEST_HOST", "127.0.0.1"),  # tests/test_netns.py: a namespace's address
+        port=port,
     )
     agent = PrefillAgent(cfg, engine, regions).start()
     # A gate in front of the real NIXL post, so a test can hold the writer inside a WRITE.
@@ -265,6 +268,8 @@ class _Outcomes:
     by_request: dict[str, dict[int, tuple[str, str]]] = field(default_factory=lambda: defaultdict(dict))
     settled_by_request: dict[str, tuple[str, str]] = field(default_factory=dict)
     settled_at: dict[tuple[str, int], float] = field(default_factory=dict)  # monotonic
+    # How many times each (request id, rank) was released: exactly once, whatever was retried.
+    release_counts: dict[tuple[str, int], int] = field(default_factory=lambda: defaultdict(int))
 
     def record(self, tid: str, epoch: int) -> None:
         """Keeps only the newest epoch's releases."""
@@ -279,6 +284,63 @@ class _Outcomes:
             return None
         bad = [v for v in ranks.values() if v[0] != "ok"]
         return bad[0] if bad else ("ok", "")
+
+
+CANARY = 0xA5  # the byte fault tests fill free decode blocks with
+
+
+class _RankFaults:
+    """Faults injected at the decode ranks' gRPC servicer, behind the real server and client:
+    completions dropped before the rank sees them, or processed with their answer lost (so the
+    prefill side retries a completion the rank already took: a duplicate), and expectations held
+    back so completions overtake them."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.drop_completions = 0  # the next n Complete calls fail UNAVAILABLE, unprocessed
+        self.lose_acks = 0  # the next n Complete calls are processed, then fail UNAVAILABLE
+        self.completions_seen = 0
+        self.expect_open = threading.Event()
+        self.expect_open.set()
+        self.expects_held = 0
+
+    def _take(self, name: str) -> bool:
+        with self.lock:
+            n = getattr(self, name)
+            if n > 0:
+                setattr(self, name, n - 1)
+            return n > 0
+
+    def install(self) -> None:
+        """Wraps the servicer methods on the class, before any rank registers with gRPC."""
+        import asyncio
+
+        import grpc
+
+        from kvpush.services.decode_agent.rank import DecodeRank
+
+        real_complete, real_expect = DecodeRank.Complete, DecodeRank.Expect
+        faults = self
+
+        async def complete(rank: Any, request: Any, context: Any) -> Any:
+            with faults.lock:
+                faults.completions_seen += 1
+            if faults._take("drop_completions"):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "test: completion dropped")
+            ack = await real_complete(rank, request, context)
+            if faults._take("lose_acks"):
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "test: completion ack lost")
+            return ack
+
+        async def expect(rank: Any, request: Any, context: Any) -> Any:
+            if not faults.expect_open.is_set():
+                with faults.lock:
+                    faults.expects_held += 1
+                await asyncio.get_running_loop().run_in_executor(None, faults.expect_open.wait, 30.0)
+            return await real_expect(rank, request, context)
+
+        DecodeRank.Complete = complete  # type: ignore[method-assign]
+        DecodeRank.Expect = expect  # type: ignore[method-assign]
 
 
 def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int, auth: str, grace_s: float) -> None:
@@ -296,6 +358,7 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
     def on_release(rank: int) -> Any:
         def cb(rel: Released) -> None:
             with outcomes.cv:
+                outcomes.release_counts[(rel.request_id, rank)] += 1
                 mine = outcomes.by_request[rel.request_id]
                 mine[rank] = (rel.outcome.value, rel.reason)
                 done = len(mine) == outcomes.tp_size
@@ -323,6 +386,8 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
 
     pools = [Pool.create(num_blocks, heads) for _ in range(tp_size)]
     security = _security(engine_id)
+    faults = _RankFaults()
+    faults.install()
     ranks = []
     progress_allowed = threading.Event()
     progress_allowed.set()
@@ -433,6 +498,38 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
             for pool in pools:
                 pool.array.fill(0)
             conn.send(None)
+        elif cmd == "faults":
+            # drop_completions=n, lose_acks=n; returns the completions the ranks saw so far
+            with faults.lock:
+                for k, v in args[0].items():
+                    setattr(faults, k, v)
+                conn.send(faults.completions_seen)
+        elif cmd == "hold_expect":
+            (faults.expect_open.clear if args[0] else faults.expect_open.set)()
+            conn.send(None)
+        elif cmd == "expects_held":
+            with faults.lock:
+                conn.send(faults.expects_held)
+        elif cmd == "release_counts":
+            with outcomes.cv:
+                conn.send({f"{r}/{k}": n for (r, k), n in outcomes.release_counts.items()})
+        elif cmd == "canary":
+            # Fill every block except ``owned`` with the canary byte, on every rank and layer.
+            (owned,) = args
+            mask = np.ones(num_blocks, dtype=bool)
+            mask[np.asarray(owned, dtype=np.int64)] = False
+            for pool in pools:
+                pool.array[:, mask] = CANARY
+            conn.send(int(mask.sum()))
+        elif cmd == "canary_broken":
+            # Blocks outside ``owned`` where any byte is no longer the canary.
+            (owned,) = args
+            mask = np.ones(num_blocks, dtype=bool)
+            mask[np.asarray(owned, dtype=np.int64)] = False
+            broken = np.zeros(num_blocks, dtype=bool)
+            for pool in pools:
+                broken |= (pool.array != CANARY).any(axis=(0, 2))
+            conn.send(np.flatnonzero(broken & mask).tolist())
         elif cmd == "state":
             st = agent.state(args[0])
             conn.send(st.value if st else None)

@@ -212,6 +212,17 @@ class VllmServer:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=min(poll_interval, max(deadline - time.monotonic(), 0.0)))
 
+    def restart(self, kill: bool = True) -> VllmServer:
+        """Stops the server (SIGKILL, as a crash would, unless ``kill`` is False) and starts it
+        again with the same arguments, port and log; call ``wait_ready()`` after it."""
+        if kill:
+            self.kill()
+        else:
+            self.stop()
+        self._proc = None
+        self.ready_after_s = None
+        return self.start()
+
     def kill(self) -> None:
         """SIGKILLs the whole process group at once, as a crash would (then reaps it like ``stop``)."""
         if self._proc is not None:

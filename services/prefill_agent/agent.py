@@ -171,6 +171,9 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
                 max_entries_per_decode=config.max_entries_per_decode,
             ),
             write_timeout_s=config.write_timeout_s,
+            # Decode declares a stream lost after two silent leases; until then a late Pong
+            # renews the lease and the held transfer is written.
+            lease_hold_s=2 * config.lease_s,
         )
 
     # ----- lifecycle ----------------------------------------------------------------------

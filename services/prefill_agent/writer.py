@@ -60,6 +60,15 @@ class PeerSession:
     slices: list[HeadSlice] = field(default_factory=list)
     regions: dict[int, RankRegions] = field(default_factory=dict)
     nixl_names: dict[int, str] = field(default_factory=dict)
+    # Transfers ready to write while the lease had run out: posted at the next renewal, refused
+    # once they waited ``lease_hold_s`` (writer thread only).
+    held: list[_Held] = field(default_factory=list)
+
+
+@dataclass
+class _Held:
+    action: StartWrite
+    since: float
 
 
 # ----- inbox events ---------------------------------------------------------------------------
@@ -147,8 +156,12 @@ class PushWriter:
         release: Callable[[ReleaseBlocks], None],
         table: TransferTable | None = None,
         write_timeout_s: float = 30.0,
+        lease_hold_s: float = 4.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``lease_hold_s``: how long a transfer whose KV is ready waits for the decode stream to
+        renew an expired write lease before it is refused (the agent passes two leases: by then
+        decode has declared the stream lost and fences the blocks)."""
         self.rank = rank
         self.tp_size = tp_size
         self.identity = identity
@@ -158,6 +171,7 @@ class PushWriter:
         self.release = release
         self.table = table or TransferTable()
         self.write_timeout_s = write_timeout_s
+        self.lease_hold_s = lease_hold_s
         self.clock = clock
         self._sessions: dict[str, PeerSession] = {}
         self._in_flight: list[_Write] = []
@@ -246,6 +260,7 @@ class PushWriter:
                     # Leases are checked on a period, not per event: the table scan stays off the
                     # path of each reservation.
                     self._execute(self.table.expire(self.clock()))
+                    self._refuse_stale_held()
                     next_expiry = self.clock() + EXPIRY_PERIOD_S
             except Exception:  # the writer must outlive any bug in one event
                 log.exception("writer_event_failed", event_type=type(event).__name__)
@@ -256,6 +271,11 @@ class PushWriter:
             session = self._sessions.get(event.key)
             if session is not None and event.until > session.lease_until:
                 session.lease_until = event.until
+                if session.held and now < session.lease_until:
+                    held, session.held = session.held, []
+                    log.info("held_writes_resumed", peer=event.key, count=len(held))
+                    for h in held:
+                        self._write(h.action)
         elif isinstance(event, _Reserve):
             res = event.reservation
             problem = self._validate(res)
@@ -272,6 +292,14 @@ class PushWriter:
                 "cancel_received", transfer_id=event.transfer_id, epoch=event.epoch, decode_engine=event.decode_engine
             )
             self._execute(self.table.on_cancel(event.peer, event.decode_engine, event.transfer_id, event.epoch, now))
+            self._drop_held(
+                lambda h: (
+                    h.action.reservation.decode_engine == event.decode_engine
+                    and h.action.reservation.transfer_id == event.transfer_id
+                    and h.action.reservation.epoch <= event.epoch
+                ),
+                "cancelled while waiting for a write lease",
+            )
         elif isinstance(event, _Connect):
             try:
                 self._connect(event.session)
@@ -339,10 +367,45 @@ class PushWriter:
         if session is None:
             return
         self.table.on_peer_lost(key, self.clock())
+        held, session.held = session.held, []
+        for h in held:
+            self._finish_unposted(h.action, "decode stream lost before the write")
         for name in session.nixl_names.values():
             self._remove_nixl_peer(name)
         metrics.PEERS.set(len(self._sessions))
         log.info("peer_lost", peer=key)
+
+    def _finish_unposted(self, action: StartWrite, reason: str) -> None:
+        res = action.reservation
+        log.warning("write_skipped", transfer_id=res.transfer_id, epoch=res.epoch, reason=reason)
+        self._execute(
+            self.table.on_write_finished(res.decode_engine, res.transfer_id, res.epoch, False, reason, self.clock())
+        )
+
+    def _drop_held(self, match: Callable[[_Held], bool], reason: str) -> None:
+        for session in self._sessions.values():
+            dropped = [h for h in session.held if match(h)]
+            if dropped:
+                session.held = [h for h in session.held if not match(h)]
+                for h in dropped:
+                    self._finish_unposted(h.action, reason)
+
+    def _refuse_stale_held(self) -> None:
+        """Transfers that waited ``lease_hold_s`` for a renewal are refused: decode has declared
+        the stream lost by now and fences their blocks by the bound."""
+        now = self.clock()
+        for session in list(self._sessions.values()):
+            stale = [h for h in session.held if now - h.since >= self.lease_hold_s]
+            if not stale:
+                continue
+            session.held = [h for h in session.held if now - h.since < self.lease_hold_s]
+            reason = "write lease expired: no answer on the decode stream"
+            for h in stale:
+                res = h.action.reservation
+                metrics.LEASE_EXPIRED.inc()
+                log.warning("write_refused", transfer_id=res.transfer_id, epoch=res.epoch, reason=reason)
+                self._execute([Reject(res.peer, res.transfer_id, res.epoch, RefusalCode.ABORTED, reason)])
+                self._finish_unposted(h.action, reason)
 
     def _remove_nixl_peer(self, name: str) -> None:
         try:
@@ -407,13 +470,11 @@ class PushWriter:
             self._execute(self.table.on_write_finished(res.decode_engine, tid, res.epoch, False, reason, self.clock()))
             return
         if self.clock() >= session.lease_until:
-            # The decode stream has been silent for a lease: decode may be fencing these blocks on
-            # its timeline already (docs/fence.md). Post nothing.
-            reason = "write lease expired: no answer on the decode stream"
-            metrics.LEASE_EXPIRED.inc()
-            log.warning("write_refused", transfer_id=tid, epoch=res.epoch, reason=reason)
-            self._execute([Reject(res.peer, tid, res.epoch, RefusalCode.ABORTED, reason)])
-            self._execute(self.table.on_write_finished(res.decode_engine, tid, res.epoch, False, reason, self.clock()))
+            # No fresh lease: decode may be fencing these blocks on its timeline (docs/fence.md),
+            # so nothing is posted now. A busy decode loop answers the Ping late, not never: the
+            # transfer waits for the next renewal, up to ``lease_hold_s``.
+            log.info("write_held", transfer_id=tid, epoch=res.epoch, reason="write lease expired")
+            session.held.append(_Held(action, self.clock()))
             return
         w = _Write(action, session, started=self.clock())
         for s in session.slices:
