@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from kvpush.connector.config import ConnectorConfig
+from kvpush.services.common import limits
 from kvpush.services.common.grpc_util import CHANNEL_OPTIONS
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.security import Security
@@ -25,13 +26,17 @@ class Registration:
         info: pb.InstanceInfo,
         load: Callable[[], pb.LoadReport],
         security: Security | None = None,
+        on_leg_failures: Callable[[list[pb.LegFailure]], None] | None = None,
     ) -> None:
+        """``on_leg_failures``: called (on this thread) with what the scheduler pushes on the load
+        stream: prefill legs of this decode engine's assignments that could not be delivered."""
         self.cfg = cfg
         # mTLS with this engine's certificate: the scheduler takes registrations and load reports
         # only in the certificate's own name.
         self.security = security or cfg.security(f"registration {cfg.engine_id}")
         self.info = info
         self.load = load
+        self.on_leg_failures = on_leg_failures
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpush-registration", daemon=True)
         self.registered = threading.Event()
@@ -66,8 +71,13 @@ class Registration:
                 self.registered.set()
                 log.info("registered", scheduler=self.cfg.scheduler_address, engine_id=self.info.engine_id)
                 backoff = 0.2
-                for _ in stub.ReportLoad(self._reports(interval)):
-                    pass
+                for ack in stub.ReportLoad(self._reports(interval)):
+                    if ack.leg_failures and self.on_leg_failures is not None:
+                        failures = list(ack.leg_failures)[: limits.MAX_EXPECTATIONS_PER_CALL]
+                        try:
+                            self.on_leg_failures(failures)
+                        except Exception:
+                            log.exception("leg_failures_not_handled", count=len(failures))
             except grpc.RpcError as exc:
                 self.registered.clear()
                 log.warning(

@@ -32,6 +32,7 @@ def register(
     tp_size: int,
     ranks: list[RankHandshake],
     load: Callable[[], pb.LoadReport],
+    on_leg_failures: Callable[[list[pb.LegFailure]], None] | None = None,
 ) -> Registration | None:
     """Registers the engine with the kvpush scheduler and keeps its load stream, when configured."""
     if not cfg.scheduler_address:
@@ -49,7 +50,7 @@ def register(
         tokens_per_block=shape.tokens_per_block,
         http_endpoint=cfg.http_endpoint,
     )
-    return Registration(cfg, info, load).start()
+    return Registration(cfg, info, load, on_leg_failures=on_leg_failures).start()
 
 
 class DecodeScheduler:
@@ -96,7 +97,15 @@ class DecodeScheduler:
             rerouter=self._rerouter(),
         ).start()
         self.cfg.serve_metrics(0)
-        self.registration = register(self.cfg, pb.ROLE_DECODE, self.tp_size, ranks, self._load)
+        self.registration = register(
+            self.cfg, pb.ROLE_DECODE, self.tp_size, ranks, self._load, on_leg_failures=self._leg_failures
+        )
+
+    def _leg_failures(self, failures: list[pb.LegFailure]) -> None:
+        """Undelivered prefill legs, from the scheduler: those transfers fail over now."""
+        if self.agent is not None:
+            for f in failures:
+                self.agent.prefill_leg_failed(f.transfer_id, f.prefill_engine_id, f.reason)
 
     def _rerouter(self) -> Rerouter | None:
         """Retry elsewhere through the scheduler, when there is one and it is not turned off."""

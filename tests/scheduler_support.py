@@ -86,6 +86,7 @@ class FakeInstance:
     extra: dict[str, Any] = field(default_factory=dict)
     reporting: asyncio.Event = field(default_factory=asyncio.Event)
     acks: int = 0
+    leg_failures: list[pb.LegFailure] = field(default_factory=list)  # pushed on the load stream
     _call: Any = None
     _task: asyncio.Task[None] | None = None
     _closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -117,8 +118,9 @@ class FakeInstance:
 
     async def _read_acks(self) -> None:
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.CancelledError):
-            async for _ack in self._call:
+            async for ack in self._call:
                 self.acks += 1
+                self.leg_failures.extend(ack.leg_failures)
 
     async def close(self) -> None:
         """Says goodbye: a draining report, then a half-close (deregistration)."""

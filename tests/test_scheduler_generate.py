@@ -186,12 +186,19 @@ def test_generate_prefill_http_error_leaves_the_answer_to_decode() -> None:
             stub,
             _p,
             _d,
-            _,
+            insts,
         ):
             tokens = [t for m in [m async for m in stub.Generate(_req(), timeout=WAIT_S)] for t in m.token_ids]
             assert tokens  # decode answered: the request succeeded
             (rec,) = server.registry.closed.values()
             assert rec.state is State.OK
+            # The decode engine heard at once, on its load stream, that the prefill leg failed
+            # (so it fails over now, not at the reservation lease); the prefill engine did not.
+            prefill_inst, decode_inst = insts
+            await wait_for(lambda: bool(decode_inst.leg_failures))
+            (f,) = decode_inst.leg_failures
+            assert (f.transfer_id, f.prefill_engine_id) == (rec.transfer_id, "p0") and "500" in f.reason, f
+            assert prefill_inst.leg_failures == []
         async with cluster(
             prefill=FakeVllm("prefill", status=500), decode=FakeVllm("decode", status=500), interval_s=1.0
         ) as (server, stub, _p, _d, _):
@@ -324,5 +331,43 @@ def test_readiness_probe_waits_for_the_openai_server() -> None:
             await channel.close()
             await server.stop(1.0)
             await runner.cleanup()
+
+    run(body())
+
+
+def test_report_leg_failure_reaches_only_the_assignments_decode() -> None:
+    """A custom frontend whose prefill POST failed says so; the scheduler pushes it to the
+    assignment's decode engine at once. Unknown transfers, a prefill the leg is no longer for and
+    oversized ids are refused with a clear status; nothing is pushed for them."""
+
+    async def body() -> None:
+        async with scheduler(interval_s=1.0) as (server, stub, _):
+            p0 = await FakeInstance(stub, info("p0", pb.ROLE_PREFILL)).start()
+            d0 = await FakeInstance(stub, info("d0")).start()
+            d1 = await FakeInstance(stub, info("d1")).start()
+            await wait_for(lambda: all(i.ready for i in server.registry.instances.values()))
+            a = await stub.Assign(pb.AssignRequest(prompt_tokens=16, max_tokens=4), timeout=WAIT_S)
+            decode, other = (d0, d1) if a.decode.engine_id == "d0" else (d1, d0)
+            ack = await stub.ReportLegFailure(
+                pb.LegFailure(transfer_id=a.transfer_id, prefill_engine_id="p0", reason="connection refused"),
+                timeout=WAIT_S,
+            )
+            assert ack.delivered
+            await wait_for(lambda: bool(decode.leg_failures))
+            assert [(f.transfer_id, f.prefill_engine_id, f.reason) for f in decode.leg_failures] == [
+                (a.transfer_id, "p0", "connection refused")
+            ]
+            for bad, code in (
+                (pb.LegFailure(transfer_id="nope", prefill_engine_id="p0"), grpc.StatusCode.NOT_FOUND),
+                (pb.LegFailure(transfer_id=a.transfer_id, prefill_engine_id="p9"), grpc.StatusCode.FAILED_PRECONDITION),
+                (pb.LegFailure(transfer_id="x" * 10_000, prefill_engine_id="p0"), grpc.StatusCode.INVALID_ARGUMENT),
+                (pb.LegFailure(prefill_engine_id="p0"), grpc.StatusCode.INVALID_ARGUMENT),
+            ):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.ReportLegFailure(bad, timeout=WAIT_S)
+                assert e.value.code() == code, bad
+            assert len(decode.leg_failures) == 1 and other.leg_failures == [] and p0.leg_failures == []
+            for i in (p0, d0, d1):
+                await i.close()
 
     run(body())

@@ -274,6 +274,7 @@ SCHEDULER_POLICY = _policy(
         "Assign": _rule(FRONTEND),
         "Release": _rule(FRONTEND),
         "Reroute": _rule(DECODE),
+        "ReportLegFailure": _rule(FRONTEND),
         "Generate": _rule(FRONTEND),
     },
 )

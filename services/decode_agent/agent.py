@@ -41,6 +41,8 @@ from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
 log = get_logger("decode.agent")
 
+UNDELIVERED_KEEP_S = 30.0  # how long a leg failure waits for its reservation
+
 # Rejections no other prefill would answer differently: the request's own leg or id is at fault.
 _FINAL_REJECTIONS = frozenset(
     {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.ALREADY_EXISTS, grpc.StatusCode.PERMISSION_DENIED}
@@ -155,6 +157,9 @@ class DecodeAgent:
         self._moved: dict[str, dict[int, int]] = {}
         self._links: dict[str, PrefillLink] = {}
         self._lost: dict[str, float] = {}  # endpoint -> grace deadline of its last lost stream
+        # transfer_id -> (prefill engine, reason, keep until): undelivered prefill legs reported
+        # before their reservation (bounded, expiring)
+        self._undelivered: dict[str, tuple[str, str, float]] = {}
         self._rank_channels: list[grpc.aio.Channel] = []
         self._rank_stubs: list[pb_grpc.DecodeRankStub] = []
         self._expect_batches: list[list[tuple[pb.Expectation, asyncio.Future[None]]]] = [
@@ -223,6 +228,36 @@ class DecodeAgent:
         """Fences the transfer's reservation ``epoch`` (the newest when None)."""
         self._loop.call_soon(self._fence_by_id, transfer_id, epoch, DecodeState.CANCELLED, reason)
 
+    def prefill_leg_failed(self, transfer_id: str, prefill_engine_id: str, reason: str) -> None:
+        """The frontend could not deliver the transfer's prefill leg to ``prefill_engine_id`` (the
+        scheduler says so on the load stream): that prefill's KV will never come, so the transfer
+        fails now (fence, then retry elsewhere) instead of at the reservation lease. Arriving before
+        the reservation (the two legs race), it is kept for a while for the reserve to come."""
+        self._loop.call_soon(
+            self._prefill_leg_failed,
+            transfer_id[: limits.MAX_ID_CHARS],
+            prefill_engine_id[: limits.MAX_ID_CHARS],
+            limits.clip(reason),
+        )
+
+    def _prefill_leg_failed(self, transfer_id: str, prefill_engine_id: str, reason: str) -> None:
+        why = f"prefill leg not delivered: {reason}"
+        p = self._current(transfer_id)
+        if p is None or p.transfer.settled:
+            now = time.monotonic()
+            for tid in [k for k, (_, _, until) in self._undelivered.items() if until <= now]:
+                del self._undelivered[tid]
+            if len(self._undelivered) < limits.MAX_PENDING_BARRIERS:
+                self._undelivered[transfer_id] = (prefill_engine_id, why, now + UNDELIVERED_KEEP_S)
+            return
+        if p.leg.prefill_engine_id != prefill_engine_id or p.transfer.state not in (
+            DecodeState.RESERVED,
+            DecodeState.PUBLISHED,
+        ):
+            return  # already moved to another prefill, or past the point where it matters
+        log.warning("prefill_leg_failed", transfer_id=transfer_id, epoch=p.transfer.epoch, reason=reason)
+        self._fence(p, DecodeState.FAILED, why, retry=True)
+
     def release_prefill(self, transfer_id: str, leg: DecodeLeg, reason: str) -> None:
         """Nothing will be reserved for ``transfer_id`` (aborted early, or decode already holds the
         whole prompt): tell the prefill ranks so they free its KV now instead of at lease expiry."""
@@ -275,6 +310,10 @@ class DecodeAgent:
             self._fence(old, DecodeState.CANCELLED, "superseded by a new epoch")
             p.after = old.gone
         p.task = asyncio.get_running_loop().create_task(self._publish(p))
+        undelivered = self._undelivered.pop(t.transfer_id, None)
+        if undelivered is not None and undelivered[0] == p.leg.prefill_engine_id and undelivered[2] > time.monotonic():
+            log.warning("prefill_leg_failed", transfer_id=t.transfer_id, epoch=t.epoch, reason=undelivered[1])
+            self._fence(p, DecodeState.FAILED, undelivered[1], retry=True)
 
     def _refuse(self, p: _Pending, holder: _Pending) -> None:
         """Fails ``p`` without publishing anything: its ranks get an expectation that names no

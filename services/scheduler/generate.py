@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,12 +175,15 @@ async def run_legs(
     p: GenerateParams,
     lost: asyncio.Future[str],
     signer: LegSigner | None = None,
+    on_prefill_failed: Callable[[str, str], object] | None = None,
 ) -> AsyncIterator[Chunk]:
     """Sends both legs at once (signed by ``signer`` when given) and yields the decode chunks. Raises
     LegError when the decode leg fails, AssignmentLost when ``lost`` resolves first. A failed prefill
     leg does not end the request: the decode engine, which holds the reservation, reroutes the
     transfer to another prefill or fails the request itself (then the decode leg says so, and the
-    error names the prefill leg's failure too). Leaving early (cancel, error) aborts both legs."""
+    error names the prefill leg's failure too). ``on_prefill_failed(prefill engine id, reason)`` is
+    called the moment the prefill leg fails, so decode can fail over at once. Leaving early (cancel,
+    error) aborts both legs."""
     prefill_params, decode_params = leg_params(rec, signer)
     q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
@@ -193,10 +196,13 @@ async def run_legs(
             q.put_nowait(("error", exc))
 
     async def prefill_leg() -> None:
+        prefill = rec.prefill.engine_id
         try:
             await client.prefill(rec.prefill.http_endpoint, p, prefill_params)
         except LegError as exc:
             prefill_error.append(exc)
+            if on_prefill_failed is not None:
+                on_prefill_failed(prefill, exc.message)
 
     prefill_error: list[LegError] = []
 

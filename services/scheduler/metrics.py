@@ -73,6 +73,12 @@ class Metrics:
         self.reroutes = Counter(
             "kvpush_scheduler_reroutes_total", "Reroute calls (retry elsewhere) by result", ["result"], registry=r
         )
+        self.leg_failures = Counter(
+            "kvpush_scheduler_leg_failures_total",
+            "Undelivered prefill legs, by whether the decode's load stream took the notice",
+            ["result"],
+            registry=r,
+        )
         self.generate = Counter("kvpush_scheduler_generate_total", "Generate calls by result", ["result"], registry=r)
         self.ttft = Histogram(
             "kvpush_scheduler_generate_ttft_seconds",

@@ -6,6 +6,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NoReturn
 
 import grpc
@@ -30,6 +31,8 @@ _CODES: dict[type[SchedulerError], grpc.StatusCode] = {
     NoCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 _MAX_PROMPT_TOKENS = limits.MAX_PROMPT_TOKENS
+_MAX_QUEUED_FAILURES = 1024  # leg failures waiting for one decode's load stream; more are dropped
+_MAX_PUSHED_FAILURES = 256  # per LoadAck
 
 
 class ShuttingDown(NoCapacity):
@@ -129,6 +132,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._lost: dict[str, asyncio.Future[str]] = {}
         self._decision_counters: dict[tuple[str, str], Any] = {}
         self._prefill_legs: set[asyncio.Task[None]] = set()  # prefill legs sent by Reroute
+        # Per decode instance (engine id, incarnation) with a load stream: leg failures to push down it.
+        self._outboxes: dict[tuple[str, str], asyncio.Queue[pb.LegFailure]] = {}
         registry.event_listeners.append(self._on_event)
         registry.closed_listeners.append(self._on_closed)
         registry.capacity_listeners.append(self._changed.notify)
@@ -274,15 +279,64 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         lease = self.registry.lease
         return pb.RegisterResponse(lease_interval_ms=round(lease.interval_s * 1000), lease_misses=lease.misses)
 
+    def leg_failed(self, rec: AssignmentRecord, prefill_engine_id: str, reason: str) -> bool:
+        """Pushes "the prefill leg for ``prefill_engine_id`` was not delivered" to the assignment's
+        decode instance on its load stream; False when it has none right now (decode then fails
+        over at the reservation lease, as before)."""
+        box = self._outboxes.get((rec.decode.engine_id, rec.decode.incarnation))
+        failure = pb.LegFailure(
+            transfer_id=rec.transfer_id, prefill_engine_id=prefill_engine_id, reason=limits.clip(reason)
+        )
+        delivered = False
+        if box is not None:
+            try:
+                box.put_nowait(failure)
+                delivered = True
+            except asyncio.QueueFull:
+                pass
+        self.metrics.leg_failures.labels("pushed" if delivered else "undelivered").inc()
+        self.log.warning(
+            "prefill_leg_failed",
+            transfer_id=rec.transfer_id,
+            prefill=prefill_engine_id,
+            decode=rec.decode.engine_id,
+            pushed=delivered,
+            reason=limits.clip(reason),
+        )
+        return delivered
+
     async def ReportLoad(
         self, request_iterator: AsyncIterator[pb.LoadReport], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LoadAck]:
+        """Acks each report; between reports, pushes leg failures to a decode instance at once."""
         ident: tuple[str, str] | None = None
         clean = False
         draining = False
         peer = peer_identity(context)
+        reports = aiter(request_iterator)
+        next_report: asyncio.Future[pb.LoadReport] = asyncio.ensure_future(anext(reports))
+        next_push: asyncio.Future[pb.LegFailure] | None = None
+        box: asyncio.Queue[pb.LegFailure] | None = None
         try:
-            async for report in request_iterator:
+            while True:
+                if box is not None and next_push is None:
+                    next_push = asyncio.ensure_future(box.get())
+                waiting: set[asyncio.Future[Any]] = {next_report} if next_push is None else {next_report, next_push}
+                done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+                if next_push is not None and next_push in done:
+                    assert box is not None
+                    failures = [next_push.result()]
+                    while not box.empty() and len(failures) < _MAX_PUSHED_FAILURES:
+                        failures.append(box.get_nowait())
+                    next_push = None
+                    yield pb.LoadAck(leg_failures=failures)
+                if next_report not in done:
+                    continue
+                try:
+                    report = next_report.result()
+                except StopAsyncIteration:
+                    break
+                next_report = asyncio.ensure_future(anext(reports))
                 # mTLS: an engine reports only in its own name (checked before the stream is taken
                 # as that engine's, whose loss would end its lease).
                 not_peer = claim_problem(peer, report.engine_id)
@@ -296,6 +350,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 key = (report.engine_id, report.incarnation)
                 if ident is None:
                     ident = key
+                    box = self._outboxes[key] = asyncio.Queue(maxsize=_MAX_QUEUED_FAILURES)
                 elif key != ident:
                     await context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -312,6 +367,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             # half-close after a draining report is a goodbye; any other end means the instance is lost.
             clean = draining and not context.cancelled()
         finally:
+            for fut in (next_report, next_push):
+                if fut is not None:
+                    fut.cancel()
+            if ident is not None and box is not None and self._outboxes.get(ident) is box:
+                del self._outboxes[ident]
             if ident is not None and not self.shutting_down:
                 self.registry.stream_closed(ident[0], ident[1], clean)
 
@@ -402,6 +462,26 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         )
         return pb.ReleaseResponse()
 
+    async def ReportLegFailure(self, request: pb.LegFailure, context: grpc.aio.ServicerContext) -> pb.LegFailureAck:
+        if (
+            not request.transfer_id
+            or max(len(request.transfer_id), len(request.prefill_engine_id)) > limits.MAX_ID_CHARS
+        ):
+            await self._refuse(context, "ReportLegFailure", grpc.StatusCode.INVALID_ARGUMENT, "missing or too long ids")
+        rec = self.registry.open.get(request.transfer_id)
+        if rec is None:
+            await self._refuse(
+                context, "ReportLegFailure", grpc.StatusCode.NOT_FOUND, "no open assignment for this transfer"
+            )
+        if request.prefill_engine_id != rec.prefill.engine_id:
+            await self._refuse(
+                context,
+                "ReportLegFailure",
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the assignment's prefill leg is no longer for that engine",
+            )
+        return pb.LegFailureAck(delivered=self.leg_failed(rec, rec.prefill.engine_id, request.reason))
+
     async def Reroute(self, request: pb.RerouteRequest, context: grpc.aio.ServicerContext) -> pb.RerouteResponse:
         # mTLS: only a decode engine, in its own name; the registry checks it is the assignment's.
         not_peer = claim_problem(peer_identity(context), request.decode_engine_id, "decode")
@@ -455,14 +535,12 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         )
 
     async def _send_prefill_leg(self, rec: AssignmentRecord, p: GenerateParams, params: dict[str, Any]) -> None:
-        """The prefill leg of a rerouted transfer. Its failure needs no answer here: the new prefill
-        then never matches the reservation, which it rejects at its lease, and decode fails over again."""
+        """The prefill leg of a rerouted transfer; when it cannot be delivered, decode is told at once."""
+        prefill = rec.prefill.engine_id
         try:
             await self.client.prefill(rec.prefill.http_endpoint, p, params)
         except LegError as exc:
-            self.log.warning(
-                "reroute_prefill_leg_failed", transfer_id=rec.transfer_id, epoch=rec.epoch, reason=str(exc)
-            )
+            self.leg_failed(rec, prefill, f"rerouted prefill leg: {exc.message}")
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -525,7 +603,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         outcome, reason, tokens = Outcome.FAILED, "", 0
         first = True
         try:
-            async for chunk in run_legs(self.client, rec, params, lost, self.signer):
+            async for chunk in run_legs(
+                self.client, rec, params, lost, self.signer, on_prefill_failed=partial(self.leg_failed, rec)
+            ):
                 msg = pb.GenerateResponse(
                     transfer_id=rec.transfer_id,
                     token_ids=chunk.token_ids,

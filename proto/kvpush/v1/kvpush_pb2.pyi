@@ -1033,19 +1033,72 @@ class LoadAck(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SEQUENCE_FIELD_NUMBER: _builtins.int
+    LEG_FAILURES_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
+    """0 on a message that only carries leg failures"""
+    @_builtins.property
+    def leg_failures(self) -> _containers.RepeatedCompositeFieldContainer[Global___LegFailure]:
+        """To a decode engine: prefill legs of its open assignments that could not be delivered."""
+
     def __init__(
         self,
         *,
         sequence: _builtins.int = ...,
+        leg_failures: _abc.Iterable[Global___LegFailure] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leg_failures", b"leg_failures", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadAck: _TypeAlias = LoadAck  # noqa: Y015
+
+@_typing.final
+class LegFailure(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    prefill_engine_id: _builtins.str
+    """the prefill the undelivered leg was for"""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        prefill_engine_id: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefill_engine_id", b"prefill_engine_id", "reason", b"reason", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LegFailure: _TypeAlias = LegFailure  # noqa: Y015
+
+@_typing.final
+class LegFailureAck(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DELIVERED_FIELD_NUMBER: _builtins.int
+    delivered: _builtins.bool
+    """the decode engine's load stream took it (false: no stream right now)"""
+    def __init__(
+        self,
+        *,
+        delivered: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delivered", b"delivered"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LegFailureAck: _TypeAlias = LegFailureAck  # noqa: Y015
 
 @_typing.final
 class AssignRequest(_message.Message):

@@ -325,6 +325,11 @@ class SchedulerStub:
                 request_serializer=kvpush_dot_v1_dot_kvpush__pb2.RerouteRequest.SerializeToString,
                 response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.RerouteResponse.FromString,
                 _registered_method=True)
+        self.ReportLegFailure = channel.unary_unary(
+                '/kvpush.v1.Scheduler/ReportLegFailure',
+                request_serializer=kvpush_dot_v1_dot_kvpush__pb2.LegFailure.SerializeToString,
+                response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.LegFailureAck.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/kvpush.v1.Scheduler/Generate',
                 request_serializer=kvpush_dot_v1_dot_kvpush__pb2.GenerateRequest.SerializeToString,
@@ -386,6 +391,16 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportLegFailure(self, request, context):
+        """A frontend could not deliver the prefill leg of an open assignment (connection refused, an
+        HTTP error): the scheduler tells the assignment's decode engine on its load stream, which
+        fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting for the
+        reservation lease. Generate does this itself. Frontend identities only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -431,6 +446,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Reroute,
                     request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.RerouteRequest.FromString,
                     response_serializer=kvpush_dot_v1_dot_kvpush__pb2.RerouteResponse.SerializeToString,
+            ),
+            'ReportLegFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportLegFailure,
+                    request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.LegFailure.FromString,
+                    response_serializer=kvpush_dot_v1_dot_kvpush__pb2.LegFailureAck.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -587,6 +607,33 @@ class Scheduler:
             '/kvpush.v1.Scheduler/Reroute',
             kvpush_dot_v1_dot_kvpush__pb2.RerouteRequest.SerializeToString,
             kvpush_dot_v1_dot_kvpush__pb2.RerouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportLegFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpush.v1.Scheduler/ReportLegFailure',
+            kvpush_dot_v1_dot_kvpush__pb2.LegFailure.SerializeToString,
+            kvpush_dot_v1_dot_kvpush__pb2.LegFailureAck.FromString,
             options,
             channel_credentials,
             insecure,

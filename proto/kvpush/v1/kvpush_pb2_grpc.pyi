@@ -185,6 +185,12 @@ class SchedulerStub:
     the new decode leg; the decode engine keeps its blocks and publishes them to the new prefill
     once the failed prefill is fenced. Only the assignment's decode engine may call it.
     """
+    ReportLegFailure: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.LegFailure, _kvpush_pb2.LegFailureAck]
+    """A frontend could not deliver the prefill leg of an open assignment (connection refused, an
+    HTTP error): the scheduler tells the assignment's decode engine on its load stream, which
+    fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting for the
+    reservation lease. Generate does this itself. Frontend identities only.
+    """
     Generate: _grpc.UnaryStreamMultiCallable[_kvpush_pb2.GenerateRequest, _kvpush_pb2.GenerateResponse]
     ListInstances: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.ListInstancesRequest, _kvpush_pb2.ListInstancesResponse]
     Watch: _grpc.UnaryStreamMultiCallable[_kvpush_pb2.WatchRequest, _kvpush_pb2.InstanceEvent]
@@ -210,6 +216,12 @@ class SchedulerAsyncStub(SchedulerStub):
     another prefill, sends it the prefill leg itself (the prompt travels in the request) and returns
     the new decode leg; the decode engine keeps its blocks and publishes them to the new prefill
     once the failed prefill is fenced. Only the assignment's decode engine may call it.
+    """
+    ReportLegFailure: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.LegFailure, _kvpush_pb2.LegFailureAck]  # type: ignore[assignment]
+    """A frontend could not deliver the prefill leg of an open assignment (connection refused, an
+    HTTP error): the scheduler tells the assignment's decode engine on its load stream, which
+    fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting for the
+    reservation lease. Generate does this itself. Frontend identities only.
     """
     Generate: _aio.UnaryStreamMultiCallable[_kvpush_pb2.GenerateRequest, _kvpush_pb2.GenerateResponse]  # type: ignore[assignment]
     ListInstances: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.ListInstancesRequest, _kvpush_pb2.ListInstancesResponse]  # type: ignore[assignment]
@@ -263,6 +275,18 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         another prefill, sends it the prefill leg itself (the prompt travels in the request) and returns
         the new decode leg; the decode engine keeps its blocks and publishes them to the new prefill
         once the failed prefill is fenced. Only the assignment's decode engine may call it.
+        """
+
+    @_abc_1.abstractmethod
+    def ReportLegFailure(
+        self,
+        request: _kvpush_pb2.LegFailure,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvpush_pb2.LegFailureAck, _abc.Awaitable[_kvpush_pb2.LegFailureAck]]:
+        """A frontend could not deliver the prefill leg of an open assignment (connection refused, an
+        HTTP error): the scheduler tells the assignment's decode engine on its load stream, which
+        fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting for the
+        reservation lease. Generate does this itself. Frontend identities only.
         """
 
     @_abc_1.abstractmethod
