@@ -23,7 +23,9 @@ from google.protobuf.json_format import MessageToDict
 
 from benchmarks.serving import Client, Sample
 from kvpush.v1 import kvpush_pb2 as pb
-from scripts.pd_cluster import REPO, PDCluster, make_model, pd_cluster
+from scripts.cluster import REPO
+from scripts.cluster.pd import PDCluster, pd_cluster
+from scripts.cluster.vllm import make_model
 
 
 async def _single(client: Client, url: str, prompt: list[int], n: int) -> tuple[float, float]:

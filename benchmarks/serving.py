@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import re
@@ -478,13 +477,15 @@ def affinity_shim(run_dir: Path) -> Path | None:
 
 class Harness:
     def __init__(self, args: argparse.Namespace) -> None:
+        from scripts.cluster.vllm import cores
+
         self.args = args
         self.model = ModelInfo.load(args.model_dir)
         self.run_dir: Path = args.log_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        cores = sorted(os.sched_getaffinity(0))
-        self.p_core = args.prefill_core if args.prefill_core is not None else cores[0]
-        self.d_core = args.decode_core if args.decode_core is not None else cores[-1]
+        on = cores()
+        self.p_core = args.prefill_core if args.prefill_core is not None else on[0]
+        self.d_core = args.decode_core if args.decode_core is not None else on[-1]
         self.shim = affinity_shim(self.run_dir)
         self.log = sys.stderr
 
@@ -494,6 +495,7 @@ class Harness:
 
     def server(self, name: str, core: int, kv: dict[str, Any] | None, env: dict[str, str]) -> Any:
         from kvpush.services.common.vllm_server import VllmServer
+        from scripts.cluster.vllm import omp_bind
 
         a = self.args
         pythonpath = [str(ROOT)]
@@ -505,9 +507,8 @@ class Harness:
             "PYTHONPATH": os.pathsep.join(pythonpath),
             "KVPUSH_LOG_LEVEL": "INFO",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            **(omp_bind(core) if a.pin else {}),
         }
-        if a.pin:
-            base_env["VLLM_CPU_OMP_THREADS_BIND"] = str(core)
         return VllmServer(
             a.model_dir,
             max_model_len=a.max_model_len,
@@ -520,14 +521,10 @@ class Harness:
             ready_timeout=None,
         )
 
-    def start(self, servers: list[tuple[Any, int]]) -> None:
-        for srv, _ in servers:
-            srv.start()
-        for srv, _ in servers:
-            srv.wait_ready(self.args.ready_timeout)
-        if self.args.pin:
-            for srv, core in servers:
-                srv.pin_to_cpu(core)
+    def start(self, servers: list[tuple[Any, int | None]]) -> None:
+        from scripts.cluster.vllm import start_side_by_side
+
+        start_side_by_side(servers, self.args.ready_timeout, pin=self.args.pin)
 
     @contextlib.contextmanager
     def single(self) -> Iterator[Any]:
@@ -541,11 +538,12 @@ class Harness:
     @contextlib.contextmanager
     def pair(self, kind: str) -> Iterator[Pair]:
         from kvpush.services.common.vllm_server import free_port
-        from scripts.pd_cluster import connector_config, start_scheduler
+        from scripts.cluster.scheduler import start_scheduler
+        from scripts.cluster.vllm import connector_config
 
         a = self.args
         sched = None
-        servers: list[tuple[Any, int]] = []
+        servers: list[tuple[Any, int | None]] = []
         try:
             p_side, d_side = free_port(), free_port()
             if kind == "ours":
@@ -578,29 +576,13 @@ class Harness:
             self.start(servers)
             pair = Pair(servers[0][0], servers[1][0], p_side, sched)
             if sched is not None:
-                wait_registered(sched.address, 120.0, sched.security())
+                sched.wait_registered(timeout_s=120.0)
             yield pair
         finally:
             for srv, _ in servers:
                 srv.stop()
             if sched is not None:
                 sched.stop()
-
-
-def wait_registered(address: str, timeout_s: float, security: Any) -> None:
-    from kvpush.v1 import kvpush_pb2 as pb
-    from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-
-    deadline = time.monotonic() + timeout_s
-    with security.sync_channel(address) as ch:
-        stub = pb_grpc.SchedulerStub(ch)
-        while True:
-            live = [s for s in stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances if s.alive]
-            if {pb.ROLE_PREFILL, pb.ROLE_DECODE} <= {s.instance.role for s in live}:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"instances did not register within {timeout_s} s")
-            time.sleep(0.2)
 
 
 # ----- our agents' log events --------------------------------------------------------------------
@@ -709,8 +691,12 @@ def phase_stats(p_log: Path, d_log: Path, p_off: int, d_off: int, samples: list[
 # ----- raw NIXL ----------------------------------------------------------------------------------
 
 
-def _nixl_child(conn: Any, sizes: list[int], reps: int) -> None:
-    """Two NIXL agents (UCX, no progress thread) in one process; median single-descriptor WRITE."""
+def _nixl_child(conn: Any, sizes: list[int], reps: int, core: int | None) -> None:
+    """Two NIXL agents (UCX, no progress thread) in one process (on ``core``, if given); sends the
+    median single-descriptor WRITE per size, or the error."""
+    if core is not None:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, {core})
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     try:
@@ -754,25 +740,12 @@ def _nixl_child(conn: Any, sizes: list[int], reps: int) -> None:
 
 
 def raw_nixl_times(sizes: list[int], reps: int, core: int | None) -> dict[int, dict[str, float]]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_nixl_child, args=(child, sizes, reps), daemon=True)
-    proc.start()
-    try:
-        if core is not None and proc.pid is not None:
-            with contextlib.suppress(OSError):
-                os.sched_setaffinity(proc.pid, {core})
-        if not parent.poll(180):
-            raise TimeoutError("raw NIXL measurement did not finish within 180 s")
-        got = parent.recv()
-        if isinstance(got, Exception):
-            raise got
-        return {int(k): v for k, v in got.items()}
-    finally:
-        proc.join(10)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
+    """Measured in a spawned child whose only message is its result (a ``Node``'s info)."""
+    from scripts.cluster.node import Node
+
+    node = Node(_nixl_child, sizes, reps, core, start_timeout_s=180.0, raise_errors=True)
+    node.stop()
+    return {int(k): v for k, v in node.info.items()}
 
 
 # ----- the run -----------------------------------------------------------------------------------
@@ -1171,7 +1144,7 @@ def _relative(path: Path) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if not (args.model_dir / "config.json").exists():
-        from scripts.pd_cluster import make_model
+        from scripts.cluster.vllm import make_model
 
         make_model(args.model_dir)
     h = Harness(args)

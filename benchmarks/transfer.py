@@ -20,10 +20,8 @@ bench-results/transfer.json). Usage: ``python -m benchmarks.transfer [--quick] [
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
-import multiprocessing as mp
 import os
 import platform
 import statistics
@@ -37,6 +35,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from scripts.cluster.node import Node
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -440,41 +440,9 @@ def decode_node(conn: Connection, sizes: Sizes, seed: int, log_level: str, rank_
 # ----- driver ---------------------------------------------------------------------------------
 
 
-class Node:
-    """A spawned process driven over a pipe (the pattern of tests/transfer_nodes.py)."""
-
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(120):
-            raise TimeoutError(f"{target.__name__} did not start within 120 s")
-        self.info: dict[str, Any] = self.conn.recv()
-
-    def send(self, *msg: Any) -> None:
-        self.conn.send(msg)
-
-    def recv(self, timeout: float = 60.0, what: str = "") -> Any:
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"node did not answer {what!r} within {timeout} s")
-        got = self.conn.recv()
-        if isinstance(got, Exception):
-            raise got
-        return got
-
-    def call(self, *msg: Any, timeout: float = 60.0) -> Any:
-        self.send(*msg)
-        return self.recv(timeout, str(msg[0]))
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            with contextlib.suppress(TimeoutError, OSError, EOFError, RuntimeError):
-                self.call("stop", timeout=20)
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
+def _node(target: Callable[..., None], *args: Any) -> Node:
+    """A benchmark process: the errors it reports are raised here; large pools take long to set up."""
+    return Node(target, *args, start_timeout_s=120.0, call_timeout_s=60.0, stop_timeout_s=20.0, raise_errors=True)
 
 
 def _pcts(values_s: Sequence[float]) -> dict[str, float]:
@@ -578,8 +546,8 @@ class Bench:
 
     def run(self) -> dict[str, Any]:
         a, s = self.args, self.sizes
-        self.pre = Node(prefill_node, s, a.seed, a.log_level)
-        self.dec = Node(decode_node, s, a.seed, a.log_level, a.rank_poll_us)
+        self.pre = _node(prefill_node, s, a.seed, a.log_level)
+        self.dec = _node(decode_node, s, a.seed, a.log_level, a.rank_poll_us)
         self.p.call("bare_connect", self.d.info["bare_metadata"], self.d.info["base"], s.blocks, s.block_bytes)
         results: dict[str, Any] = {}
         results["throughput"] = self.throughput()

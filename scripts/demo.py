@@ -16,7 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvpush.services.common.vllm_server import complete
-from scripts.pd_cluster import REPO, Timed, make_model, pd_cluster
+from scripts.cluster import REPO
+from scripts.cluster.pd import Timed, pd_cluster
+from scripts.cluster.vllm import make_model
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -83,9 +83,9 @@ def prefill_gpu_node(conn: Connection, case: str, engine_id: str, rank: int, tp:
 
 
 def _run_case(case: str, p_tp: int, d_tp: int) -> int:
+    from scripts.cluster.node import Node
     from tests.layout_cases import TOKENS
     from tests.layout_nodes import decode_layout_node
-    from tests.transfer_nodes import Node
 
     tag = f"gpu-{case}-{p_tp}{d_tp}"
     pe, de = f"prefill-{tag}", f"decode-{tag}"

@@ -4,7 +4,7 @@ layouts of ``tests/layout_cases.py`` (test support).
 They run the connector's real worker halves (``PrefillWorker``, ``DecodeWorker``: description
 from the tensors, NIXL registration, the compute-fence gate, the agents and gRPC servers) with
 vLLM's TP rank lookup replaced by the node's own; the decode node adds the ``DecodeAgent`` that
-vLLM's scheduler side would run. Driven over a pipe with ``tests.transfer_nodes.Node``.
+vLLM's scheduler side would run. Driven over a pipe with ``scripts.cluster.node.Node``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from tests.transfer_nodes import LEASE_S, WRITE_TIMEOUT_S, Node, _env
+from scripts.cluster.node import Node
+from tests.transfer_nodes import LEASE_S, WRITE_TIMEOUT_S, _env
 
 TOTAL_HEADS = 4
 BLOCKS = 64

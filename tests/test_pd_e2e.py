@@ -16,7 +16,7 @@ import pytest
 
 from kvpush.services.common.vllm_server import VllmServer, complete
 from kvpush.v1 import kvpush_pb2 as pb
-from scripts.pd_cluster import PDCluster, pd_cluster
+from scripts.cluster.pd import PDCluster, pd_cluster
 
 pytestmark = pytest.mark.vllm
 

@@ -16,7 +16,7 @@ from google.protobuf import json_format
 
 from kvpush.services.common.vllm_server import complete
 from kvpush.v1 import kvpush_pb2 as pb
-from scripts.pd_cluster import PDCluster, pd_cluster
+from scripts.cluster.pd import PDCluster, pd_cluster
 from tests.test_pd_e2e import _decode_load, _wait_free_blocks, prompt_of, prompt_sources
 
 pytestmark = pytest.mark.vllm

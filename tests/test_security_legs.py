@@ -602,7 +602,7 @@ def _health(base_url: str) -> int:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from scripts.pd_cluster import pd_cluster
+    from scripts.cluster.pd import pd_cluster
 
     with pd_cluster(tiny_model_dir, tmp_path_factory.mktemp("security-logs"), max_num_seqs=8) as c:
         yield c

@@ -8,7 +8,6 @@ driven by the test over a multiprocessing pipe. Prefill pools hold a determinist
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -18,6 +17,8 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
+
+from scripts.cluster.node import Node
 
 NUM_LAYERS = 2
 TOTAL_HEADS = 4
@@ -544,39 +545,6 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
 
 
 # ----- handles used by the tests --------------------------------------------------------------
-
-
-class Node:
-    def __init__(self, target: Any, *args: Any) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-        self.proc.start()
-        if not self.conn.poll(60):
-            raise TimeoutError("node did not start within 60 s")
-        self.info: dict[str, Any] = self.conn.recv()
-
-    def call(self, *msg: Any, timeout: float = 30.0) -> Any:
-        self.conn.send(msg)
-        if not self.conn.poll(timeout):
-            raise TimeoutError(f"node did not answer {msg[0]!r} within {timeout} s")
-        return self.conn.recv()
-
-    def send(self, *msg: Any) -> None:
-        self.conn.send(msg)
-
-    def stop(self) -> None:
-        if self.proc.is_alive():
-            with contextlib.suppress(TimeoutError, OSError, EOFError):
-                self.call("stop", timeout=10)
-        self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.join(5)
 
 
 @dataclass

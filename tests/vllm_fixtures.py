@@ -6,10 +6,11 @@ Wire them into the suite with one line in ``tests/conftest.py``::
 
 Fixtures (all session-scoped, so one pair of engines serves every vllm test in the session):
 
-* ``tiny_model_dir``: a model directory made by ``scripts/make_tiny_model.py`` (in a subprocess, so the test
-  process never imports torch).
+* ``tiny_model_dir``: a model directory made by ``scripts/make_tiny_model.py`` (``scripts.cluster.vllm.make_model``:
+  in a subprocess, so the test process never imports torch).
 * ``vllm_servers``: a ``VllmServerPool``; ``pool.start(n, **kwargs)`` starts n servers concurrently, each
-  on its own core, and waits until all are healthy. Everything it started is stopped at session end.
+  on its own core, and waits until all are healthy (``scripts.cluster.vllm.start_side_by_side``). Everything
+  it started is stopped at session end.
 * ``plain_vllm_pair``: two plain (connector-less) servers started concurrently on different cores.
 * ``plain_vllm_server``: the first of the pair: the single-instance baseline.
 
@@ -20,9 +21,6 @@ two in sequence would not fit a 90 s test budget, two side by side do.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,17 +29,12 @@ import pytest
 
 from kvpush.services.common.vllm_server import VllmServer, VllmServerError
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-READY_TIMEOUT_S = float(os.environ.get("KVPUSH_VLLM_READY_TIMEOUT", "240"))
+READY_TIMEOUT_S = 240.0  # unless $KVPUSH_VLLM_READY_TIMEOUT says otherwise
 
 
 def _require_vllm() -> None:
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vllm is not installed (run `make install`)")
-
-
-def _cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0))
 
 
 class VllmServerPool:
@@ -59,25 +52,22 @@ class VllmServerPool:
         Each server gets the next core: as its OpenMP binding at start-up and, if ``pin``, as the affinity
         of its whole process tree once it is ready. ``kwargs`` go to ``VllmServer``; ``env`` is merged.
         """
-        cores = _cores()
-        batch: list[tuple[VllmServer, int]] = []
+        # Imported here: this plugin loads for every test, also where only ``tests/`` is on sys.path.
+        from scripts.cluster.vllm import cores, omp_bind, ready_timeout_s, start_side_by_side
+
+        on = cores()
+        batch: list[tuple[VllmServer, int | None]] = []
         for _ in range(n):
-            core = cores[self._next_core % len(cores)]
+            core = on[self._next_core % len(on)]
             self._next_core += 1
             args = dict(kwargs)
-            env = {"VLLM_CPU_OMP_THREADS_BIND": str(core), **args.pop("env", {})}
+            env = {**omp_bind(core), **args.pop("env", {})}
             model_dir = args.pop("model_dir", self.model_dir)
             log_path = self.log_dir / f"vllm-{len(self.servers)}-core{core}.log"
             srv = VllmServer(model_dir, env=env, log_path=log_path, ready_timeout=None, **args)
             self.servers.append(srv)
             batch.append((srv, core))
-            srv.start()
-        for srv, _ in batch:
-            srv.wait_ready(READY_TIMEOUT_S)
-        if pin:
-            for srv, core in batch:
-                srv.pin_to_cpu(core)
-        return [srv for srv, _ in batch]
+        return start_side_by_side(batch, ready_timeout_s(READY_TIMEOUT_S), pin=pin)
 
     def close(self) -> None:
         errors: list[str] = []
@@ -94,14 +84,9 @@ class VllmServerPool:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _require_vllm()
-    out = tmp_path_factory.mktemp("tiny-llama")
-    subprocess.run(
-        [sys.executable, str(REPO_ROOT / "scripts" / "make_tiny_model.py"), str(out)],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    return out
+    from scripts.cluster.vllm import make_model
+
+    return make_model(tmp_path_factory.mktemp("tiny-llama"), timeout_s=120.0, quiet=True)
 
 
 @pytest.fixture(scope="session")
