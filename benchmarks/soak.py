@@ -39,7 +39,9 @@ import psutil
 
 from kvpush.services.common.vllm_server import VllmServer, complete
 from kvpush.v1 import kvpush_pb2 as pb
-from scripts.pd_cluster import REPO, PDCluster, make_model, pd_cluster
+from scripts.cluster import REPO
+from scripts.cluster.pd import PDCluster, pd_cluster
+from scripts.cluster.vllm import make_model
 
 FAULTS = ("kill_prefill", "stop_prefill", "restart_scheduler", "kill_decode")
 WEIGHTS = (4, 3, 2, 1)

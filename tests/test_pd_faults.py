@@ -115,6 +115,53 @@ def test_scheduler_restart_with_requests_in_flight(cluster: PDCluster) -> None:
     assert _wait_free_blocks(cluster, free_before) == free_before
 
 
+def test_undelivered_prefill_leg_fails_over_at_once(cluster: PDCluster) -> None:
+    """A custom frontend gets an assignment, sends the decode leg, but cannot deliver the prefill
+    leg and says so (ReportLegFailure): decode fails that transfer at once and the scheduler
+    sends the prefill leg to the other prefill, instead of decode waiting for the reservation lease
+    (30 s). Reported before and after decode reserved; both finish token for token, pushed."""
+    assert cluster.baseline is not None
+    # Runs before the test that kills prefill-0 (tests run in file order): it needs both.
+    assert all(p.running for p in cluster.prefills), "both prefills must be up"
+    lease_s = 30.0
+    for k, when in enumerate(("before-reserve", "after-reserve")):
+        prompt = prompt_of(N_TOKENS, seed=80 + k)
+        want = complete(cluster.baseline.base_url, prompt, MAX_TOKENS)[0]
+        sources_before = prompt_sources(cluster.decode)
+        a = cluster.stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=MAX_TOKENS), timeout=10)
+        leg = json_format.MessageToDict(a.decode_kv_transfer_params)
+        out: dict[str, list[int] | Exception] = {}
+
+        def decode_leg(leg: dict = leg, prompt: list[int] = prompt, out: dict = out) -> None:
+            try:
+                out["tokens"] = complete(cluster.decode.base_url, prompt, MAX_TOKENS, leg, timeout=60)[0]
+            except Exception as exc:  # reported below
+                out["tokens"] = exc
+
+        start = time.monotonic()
+        t = threading.Thread(target=decode_leg)
+        t.start()
+        if when == "after-reserve":
+            deadline = time.monotonic() + 20
+            while _decode_load(cluster).reserved_unfilled_blocks == 0:
+                assert time.monotonic() < deadline, "decode never reserved the transfer"
+                time.sleep(0.01)  # polling the scheduler, bounded by the deadline
+        ack = cluster.stub.ReportLegFailure(
+            pb.LegFailure(transfer_id=a.transfer_id, prefill_engine_id=a.prefill.engine_id, reason="test: refused"),
+            timeout=10,
+        )
+        assert ack.delivered
+        t.join(60)
+        assert not t.is_alive(), "the decode leg hung"
+        assert out["tokens"] == want, (when, out["tokens"])
+        assert time.monotonic() - start < lease_s / 2, f"{when}: waited for the reservation lease"
+        sources_after = prompt_sources(cluster.decode)
+        assert sources_after.get("local_compute", 0.0) - sources_before.get("local_compute", 0.0) == 0, when
+        cluster.stub.Release(
+            pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK), timeout=10
+        )
+
+
 def test_killed_prefill_is_retried_elsewhere_token_exact(cluster: PDCluster) -> None:
     assert cluster.baseline is not None
     prompts = [prompt_of(N_TOKENS, seed=40 + i) for i in range(REQUESTS)]
@@ -164,48 +211,3 @@ def test_killed_prefill_is_retried_elsewhere_token_exact(cluster: PDCluster) -> 
     # Decode's blocks all came back; the survivor keeps serving.
     assert _wait_free_blocks(cluster, free_before) == free_before
     assert cluster.generate(prompts[0], MAX_TOKENS, timeout_s=60)[0] == expected[0]
-
-
-def test_undelivered_prefill_leg_fails_over_at_once(cluster: PDCluster) -> None:
-    """A custom frontend gets an assignment, sends the decode leg, but cannot deliver the prefill
-    leg and says so (ReportLegFailure): decode fails that transfer at once and the scheduler
-    sends the prefill leg to the other prefill, instead of decode waiting for the reservation lease
-    (30 s). Reported before and after decode reserved; both finish token for token, pushed."""
-    assert cluster.baseline is not None
-    lease_s = 30.0
-    for k, when in enumerate(("before-reserve", "after-reserve")):
-        prompt = prompt_of(N_TOKENS, seed=80 + k)
-        want = complete(cluster.baseline.base_url, prompt, MAX_TOKENS)[0]
-        sources_before = prompt_sources(cluster.decode)
-        a = cluster.stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=MAX_TOKENS), timeout=10)
-        leg = json_format.MessageToDict(a.decode_kv_transfer_params)
-        out: dict[str, list[int] | Exception] = {}
-
-        def decode_leg(leg: dict = leg, prompt: list[int] = prompt, out: dict = out) -> None:
-            try:
-                out["tokens"] = complete(cluster.decode.base_url, prompt, MAX_TOKENS, leg, timeout=60)[0]
-            except Exception as exc:  # reported below
-                out["tokens"] = exc
-
-        start = time.monotonic()
-        t = threading.Thread(target=decode_leg)
-        t.start()
-        if when == "after-reserve":
-            deadline = time.monotonic() + 20
-            while _decode_load(cluster).reserved_unfilled_blocks == 0:
-                assert time.monotonic() < deadline, "decode never reserved the transfer"
-                time.sleep(0.01)  # polling the scheduler, bounded by the deadline
-        ack = cluster.stub.ReportLegFailure(
-            pb.LegFailure(transfer_id=a.transfer_id, prefill_engine_id=a.prefill.engine_id, reason="test: refused"),
-            timeout=10,
-        )
-        assert ack.delivered
-        t.join(60)
-        assert not t.is_alive(), "the decode leg hung"
-        assert out["tokens"] == want, (when, out["tokens"])
-        assert time.monotonic() - start < lease_s / 2, f"{when}: waited for the reservation lease"
-        sources_after = prompt_sources(cluster.decode)
-        assert sources_after.get("local_compute", 0.0) - sources_before.get("local_compute", 0.0) == 0, when
-        cluster.stub.Release(
-            pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK), timeout=10
-        )

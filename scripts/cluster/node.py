@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +26,7 @@ class Node:
         self,
         target: Callable[..., None],
         *args: Any,
-        start_timeout_s: float = 60.0,
+        start_timeout_s: float = 180.0,
         call_timeout_s: float = 30.0,
         stop_timeout_s: float = 10.0,
         raise_errors: bool = False,
@@ -38,9 +39,15 @@ class Node:
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=target, args=(child, *args), daemon=True)
         self.proc.start()
-        if not self.conn.poll(start_timeout_s):
-            self.kill()  # not left running behind the error
-            raise TimeoutError(f"{self.name} did not start within {start_timeout_s:g} s")
+        # Generous, because a loaded 2-core machine takes tens of seconds to import torch and NIXL
+        # in a fresh interpreter; a child that dies on the way is reported at once instead.
+        deadline = time.monotonic() + start_timeout_s
+        while not self.conn.poll(0.1):
+            if not self.proc.is_alive():
+                raise RuntimeError(f"{self.name} exited with code {self.proc.exitcode} before it started")
+            if time.monotonic() >= deadline:
+                self.kill()  # not left running behind the error
+                raise TimeoutError(f"{self.name} did not start within {start_timeout_s:g} s")
         self.info: dict[str, Any] = self._take()
 
     def send(self, *msg: Any) -> None:

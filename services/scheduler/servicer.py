@@ -601,6 +601,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._lost[rec.transfer_id] = lost
         outcome, reason, tokens = Outcome.FAILED, "", 0
+        status: tuple[grpc.StatusCode, str] | None = None
         first = True
         try:
             async for chunk in run_legs(
@@ -628,10 +629,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             reason = str(exc)
             log.warning("generate_leg_failed", leg=exc.leg, reason=reason)
             code = grpc.StatusCode.UNAVAILABLE if exc.unavailable else grpc.StatusCode.INTERNAL
-            await context.abort(code, reason)
+            status = (code, reason)
         except AssignmentLost as exc:
             reason = str(exc)
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"assignment lost: {reason}")
+            status = (grpc.StatusCode.UNAVAILABLE, f"assignment lost: {reason}")
         finally:
             self._lost.pop(rec.transfer_id, None)
             self.metrics.generate.labels(outcome.value).inc()
@@ -645,3 +646,6 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 seconds=round(time.perf_counter() - t0, 6),
                 reason=reason,
             )
+        if status is not None:
+            # Only now, with the assignment released: a caller that sees the status sees it closed.
+            await context.abort(*status)
