@@ -283,6 +283,7 @@ def _markdown(r: Report, args: argparse.Namespace) -> str:
         "![RSS and decode free blocks over time](img/soak_rss.png)",
         "",
         "A restarted instance is a new process tree, so its RSS starts again from its start-up size.",
+        "Samples pause while the fault thread restarts an instance (the lines are straight across those gaps).",
         'Reproduce: `make soak` (`ARGS="--minutes 5"` for a short run).',
         "",
     ]

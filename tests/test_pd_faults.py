@@ -50,6 +50,35 @@ def _idle_free_blocks(c: PDCluster) -> int:
     return load.free_blocks
 
 
+def _prefill_free(c: PDCluster, engine_id: str) -> tuple[int, bool]:
+    """(free blocks, idle) of a prefill instance, from its latest load report."""
+    for s in c.stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances:
+        if s.instance.engine_id == engine_id and s.alive:
+            return s.load.free_blocks, not (s.load.running_requests or s.load.waiting_requests)
+    return -1, False
+
+
+def _prefill_idle_free(c: PDCluster, engine_id: str, timeout_s: float = 30.0) -> int:
+    """A prefill's free blocks from the first load report that shows it idle."""
+    deadline = time.monotonic() + timeout_s
+    free, idle = _prefill_free(c, engine_id)
+    while not idle:
+        assert time.monotonic() < deadline, f"{engine_id} never went idle"
+        time.sleep(0.1)  # load reports come every 500 ms; polled under a deadline
+        free, idle = _prefill_free(c, engine_id)
+    return free
+
+
+def _prefill_blocks_back(c: PDCluster, engine_id: str, want: int, timeout_s: float = 30.0) -> int:
+    """Polls the prefill's load reports until it is idle with ``want`` free blocks (or the bound)."""
+    deadline = time.monotonic() + timeout_s
+    free, idle = _prefill_free(c, engine_id)
+    while not (idle and free == want) and time.monotonic() < deadline:
+        time.sleep(0.1)  # load reports come every 500 ms; polled under a deadline
+        free, idle = _prefill_free(c, engine_id)
+    return free
+
+
 def test_scheduler_restart_with_requests_in_flight(cluster: PDCluster) -> None:
     """The scheduler is SIGKILLed and restarted on its address with requests in flight: Generate
     streams end with UNAVAILABLE; a request whose legs a frontend already handed to vLLM finishes
@@ -60,6 +89,7 @@ def test_scheduler_restart_with_requests_in_flight(cluster: PDCluster) -> None:
     want = complete(cluster.baseline.base_url, prompt, MAX_TOKENS)[0]
     assert cluster.generate(prompt, MAX_TOKENS, timeout_s=60)[0] == want
     free_before = _idle_free_blocks(cluster)
+    prefill_before = {e: _prefill_idle_free(cluster, e) for e in ("prefill-0", "prefill-1")}
 
     a = cluster.stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=MAX_TOKENS), timeout=10)
     legs = [
@@ -113,6 +143,8 @@ def test_scheduler_restart_with_requests_in_flight(cluster: PDCluster) -> None:
             assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, exc
             time.sleep(0.1)
     assert _wait_free_blocks(cluster, free_before) == free_before
+    for engine, free in prefill_before.items():
+        assert _prefill_blocks_back(cluster, engine, free) == free, f"{engine} kept blocks"
 
 
 def test_undelivered_prefill_leg_fails_over_at_once(cluster: PDCluster) -> None:
@@ -124,6 +156,7 @@ def test_undelivered_prefill_leg_fails_over_at_once(cluster: PDCluster) -> None:
     # Runs before the test that kills prefill-0 (tests run in file order): it needs both.
     assert all(p.running for p in cluster.prefills), "both prefills must be up"
     lease_s = 30.0
+    prefill_before = {e: _prefill_idle_free(cluster, e) for e in ("prefill-0", "prefill-1")}
     for k, when in enumerate(("before-reserve", "after-reserve")):
         prompt = prompt_of(N_TOKENS, seed=80 + k)
         want = complete(cluster.baseline.base_url, prompt, MAX_TOKENS)[0]
@@ -160,6 +193,8 @@ def test_undelivered_prefill_leg_fails_over_at_once(cluster: PDCluster) -> None:
         cluster.stub.Release(
             pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK), timeout=10
         )
+    for engine, free in prefill_before.items():
+        assert _prefill_blocks_back(cluster, engine, free) == free, f"{engine} kept blocks"
 
 
 def test_killed_prefill_is_retried_elsewhere_token_exact(cluster: PDCluster) -> None:
@@ -170,6 +205,7 @@ def test_killed_prefill_is_retried_elsewhere_token_exact(cluster: PDCluster) -> 
     for p, want in zip(prompts[:2], expected[:2], strict=True):
         assert cluster.generate(p, MAX_TOKENS, timeout_s=60)[0] == want
     free_before = _idle_free_blocks(cluster)
+    survivor_before = _prefill_idle_free(cluster, "prefill-1")
     sources_before = prompt_sources(cluster.decode)
 
     results: dict[int, list[int] | grpc.RpcError] = {}
@@ -210,4 +246,5 @@ def test_killed_prefill_is_retried_elsewhere_token_exact(cluster: PDCluster) -> 
     assert "transfer_rerouted" in log, "no transfer was rerouted off the killed prefill"
     # Decode's blocks all came back; the survivor keeps serving.
     assert _wait_free_blocks(cluster, free_before) == free_before
+    assert _prefill_blocks_back(cluster, "prefill-1", survivor_before) == survivor_before
     assert cluster.generate(prompts[0], MAX_TOKENS, timeout_s=60)[0] == expected[0]

@@ -61,6 +61,15 @@ def _still_serves(c: Cluster, tid: str, dst: int, src: int) -> None:
     assert c.decode.call("verify", [([dst], [src])]) == []
 
 
+def _next_decode_incarnation_serves(c: Cluster, tid: str, dst: int, src: int) -> None:
+    """The decode engine comes back (same engine id, new incarnation): the prefill rank serves it."""
+    c.decode = Node(decode_node, c.decode_engine_id, 1, 512, "", 0.5)
+    c.decode.call("canary", [dst])
+    _nothing_stranded(c)
+    _still_serves(c, tid, dst, src)
+    assert c.decode.call("canary_broken", [dst]) == []
+
+
 def test_dropped_completions_are_retried_until_they_land() -> None:
     """The first completions are lost before the decode rank sees them (UNAVAILABLE): prefill
     retries with backoff, the request is released OK once, and nothing else was written."""
@@ -156,11 +165,7 @@ def test_decode_killed_after_publishing_frees_prefill() -> None:
         released = c.prefill[0].call("released", 10.0, timeout=20)
         assert [t for t, _ in released] == ["orphan"] and released[0][1], released
         assert time.monotonic() - start < 5, "prefill held the KV of a dead decode"
-        c.decode = Node(decode_node, "decodefdkill", 1, 512, "", 0.5)
-        c.decode.call("canary", [3])
-        _nothing_stranded(c)
-        _still_serves(c, "after-decode-kill", 3, 7)
-        assert c.decode.call("canary_broken", [3]) == []
+        _next_decode_incarnation_serves(c, "after-decode-kill", 3, 7)
     finally:
         c.stop()
 
@@ -182,11 +187,7 @@ def test_decode_killed_mid_write_frees_prefill() -> None:
         released = c.prefill[0].call("released", WRITE_TIMEOUT_S + 10, timeout=WRITE_TIMEOUT_S + 20)
         assert [t for t, _ in released] == ["midwrite"], released
         assert time.monotonic() - start < WRITE_TIMEOUT_S + 5, "the WRITE into a dead decode outlived its bound"
-        c.decode = Node(decode_node, "decodefdmid", 1, 512, "", 0.5)
-        c.decode.call("canary", [4])
-        _nothing_stranded(c)
-        _still_serves(c, "after-mid-kill", 4, 9)
-        assert c.decode.call("canary_broken", [4]) == []
+        _next_decode_incarnation_serves(c, "after-mid-kill", 4, 9)
     finally:
         c.stop()
 
