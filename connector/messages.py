@@ -36,10 +36,21 @@ class AbortedPrefill:
     decode_engine_id: str
 
 
+@dataclass(frozen=True)
+class UnreservedPrefill:
+    """No reservation will come for this transfer (its decode leg was not delivered): its KV is
+    freed as soon as it is done, not at the prefill lease."""
+
+    transfer_id: str
+    decode_engine_id: str
+
+
 @dataclass
 class PushMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, per step (prefill only): transfers whose KV this step completes, and
-    transfers whose prefill was aborted before it finished."""
+    """Scheduler -> worker, per step (prefill only): transfers whose KV this step completes,
+    transfers whose prefill was aborted before it finished, and transfers that will never get a
+    reservation."""
 
     finished_prefills: list[FinishedPrefill] = field(default_factory=list)
     aborted: list[AbortedPrefill] = field(default_factory=list)
+    unreserved: list[UnreservedPrefill] = field(default_factory=list)

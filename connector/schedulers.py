@@ -6,12 +6,13 @@ only flags, per step, which transfers' KV the step completes.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.legs import LegGate
-from kvpush.connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake
+from kvpush.connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake, UnreservedPrefill
 from kvpush.connector.registration import Registration
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.transfer_params import DecodeLeg, PrefillLeg
@@ -239,6 +240,11 @@ class PrefillScheduler:
         self._kv_cache_manager: Any = None
         self._push_bytes: dict[str, int] = {}  # request -> KV bytes handed to the writers, not yet sent
         self._block_bytes = 0  # one block of every layer on every rank
+        # transfer id -> (request id, decode engine) of a live or held request, for leg failures
+        self._transfers: dict[str, tuple[str, str]] = {}
+        # Undelivered decode legs, from the registration thread, for the next step's metadata.
+        self._unreserved_lock = threading.Lock()
+        self._unreserved: list[UnreservedPrefill] = []
 
     def set_handshakes(self, handshakes: dict[int, RankHandshake], kv_cache_manager: Any) -> None:
         ranks = [handshakes[r] for r in sorted(handshakes)]
@@ -247,7 +253,25 @@ class PrefillScheduler:
         if shape is not None:
             self._block_bytes = shape.num_layers * shape.total_kv_heads * shape.head_bytes
         log.info("prefill_engine_ready", endpoints=[h.endpoint for h in ranks])
-        self.registration = register(self.cfg, pb.ROLE_PREFILL, self.tp_size, ranks, self._load)
+        self.registration = register(
+            self.cfg, pb.ROLE_PREFILL, self.tp_size, ranks, self._load, on_leg_failures=self._leg_failures
+        )
+
+    def _leg_failures(self, failures: list[pb.LegFailure]) -> None:
+        """Undelivered decode legs, from the scheduler (registration thread): no reservation will
+        come for those transfers, so the workers free their KV as soon as it is done."""
+        found = []
+        for f in failures:
+            if f.leg != pb.ROLE_DECODE:
+                continue
+            held = self._transfers.get(f.transfer_id)
+            if held is None:
+                continue  # not a transfer of this engine (or already gone)
+            found.append(UnreservedPrefill(f.transfer_id, held[1]))
+            log.warning("decode_leg_failed", transfer_id=f.transfer_id, request_id=held[0], reason=f.reason)
+        if found:
+            with self._unreserved_lock:
+                self._unreserved.extend(found)
 
     def _load(self) -> pb.LoadReport:
         free = self._kv_cache_manager.block_pool.get_num_free_blocks() if self._kv_cache_manager else 0
@@ -272,10 +296,14 @@ class PrefillScheduler:
             log.warning("duplicate_transfer_id", request_id=rid, transfer_id=leg.transfer_id, holder_request_id=holder)
             return
         self._requests.setdefault(rid, (leg, request))
+        self._transfers[leg.transfer_id] = (rid, leg.decode_engine_id)
 
     def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
         meta = PushMetadata(aborted=self._aborted)
         self._aborted = []
+        if self._unreserved:
+            with self._unreserved_lock:
+                meta.unreserved, self._unreserved = self._unreserved, []
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             entry = self._requests.get(rid)
             if entry is None or rid in self._flagged:
@@ -312,15 +340,23 @@ class PrefillScheduler:
             return True, {"kvpush": {"role": "prefill_done", "transfer_id": leg.transfer_id}}
         self._aborted.append(AbortedPrefill(leg.transfer_id, leg.decode_engine_id))  # no KV will come: fail fast
         self._push_bytes.pop(rid, None)
+        self._forget_transfer(leg.transfer_id, rid)
         return False, None
+
+    def _forget_transfer(self, transfer_id: str, rid: str) -> None:
+        if self._transfers.get(transfer_id, ("",))[0] == rid:
+            del self._transfers[transfer_id]
 
     def update_connector_output(self, finished_sending: set[str]) -> None:
         self._held -= finished_sending
         for rid in finished_sending:
             self._push_bytes.pop(rid, None)
+        if finished_sending:
+            for tid in [t for t, (rid, _) in self._transfers.items() if rid in finished_sending]:
+                del self._transfers[tid]
 
     def has_pending_push_work(self) -> bool:
-        return bool(self._held or self._aborted)
+        return bool(self._held or self._aborted or self._unreserved)
 
     def shutdown(self) -> None:
         if self.registration is not None:

@@ -15,7 +15,7 @@ from typing import Any
 from kvpush.connector.compute_fence import FenceFactory, FenceGate, NoFence, fence_factory
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.kv_layout import KvDescription, describe
-from kvpush.connector.messages import AbortedPrefill, PushMetadata, RankHandshake
+from kvpush.connector.messages import AbortedPrefill, PushMetadata, RankHandshake, UnreservedPrefill
 from kvpush.connector.roles import TransferResults
 from kvpush.services.common.layout import new_incarnation
 from kvpush.services.common.logs import get_logger
@@ -163,7 +163,7 @@ class PrefillWorker:
         in memory once this step's fence passes. Never blocks: the gate thread waits on the fence
         and then hands the transfers to the writer (aborts take the same path, so they keep their
         order relative to the transfers)."""
-        if meta is None or self.agent is None or not (meta.finished_prefills or meta.aborted):
+        if meta is None or self.agent is None or not (meta.finished_prefills or meta.aborted or meta.unreserved):
             return
         agent = self.agent
         fence = self._fence()
@@ -186,6 +186,12 @@ class PrefillWorker:
                 agent.prefill_aborted(ab.transfer_id, decode_engine_id=ab.decode_engine_id)
 
             self._gate.submit(fence, aborted)
+        for un in meta.unreserved:
+
+            def unreserved(un: UnreservedPrefill = un) -> None:
+                agent.no_reservation(un.transfer_id, decode_engine_id=un.decode_engine_id)
+
+            self._gate.submit(fence, unreserved)
 
     def finished_sending(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose blocks may be freed: released by the agent *and* finished by the

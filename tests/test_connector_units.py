@@ -127,6 +127,37 @@ def test_prefill_scheduler_abort_before_kv_tells_the_agents() -> None:
     assert s.request_finished(plain) == (False, None)
 
 
+def test_prefill_scheduler_frees_kv_whose_decode_leg_failed() -> None:
+    """The scheduler says a transfer's decode leg was not delivered: the workers are told (next
+    step's metadata) that no reservation will come, for a held transfer and for one still being
+    prefilled; failures for unknown transfers, prefill legs or after release change nothing."""
+    from kvpush.connector.messages import UnreservedPrefill
+    from kvpush.v1 import kvpush_pb2 as pb
+
+    s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill", insecure=True), _vllm_cfg())
+    s._kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([1, 2],))
+    held, running = _Req("r1", 20, to_params(PrefillLeg("t1", "d"))), _Req("r2", 20, to_params(PrefillLeg("t2", "d2")))
+    for r in (held, running):
+        s.update_state_after_alloc(r, None, 0)
+    s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 20}))
+    assert s.request_finished(held)[0]  # KV pushed-to-be, blocks held
+    s._leg_failures(
+        [
+            pb.LegFailure(transfer_id="t1", prefill_engine_id="p", leg=pb.ROLE_DECODE),
+            pb.LegFailure(transfer_id="t2", prefill_engine_id="p", leg=pb.ROLE_DECODE),
+            pb.LegFailure(transfer_id="t1", prefill_engine_id="p", leg=pb.ROLE_PREFILL),  # not for prefill
+            pb.LegFailure(transfer_id="nope", prefill_engine_id="p", leg=pb.ROLE_DECODE),
+        ]
+    )
+    assert s.has_pending_push_work()
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={}))
+    assert meta.unreserved == [UnreservedPrefill("t1", "d"), UnreservedPrefill("t2", "d2")]
+    assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).unreserved == []
+    s.update_connector_output({"r1"})
+    s._leg_failures([pb.LegFailure(transfer_id="t1", leg=pb.ROLE_DECODE)])  # released already
+    assert s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={})).unreserved == []
+
+
 def test_prefill_worker_reports_only_finished_and_released_requests() -> None:
     w = PrefillWorker(ConnectorConfig(engine_id="p", role="prefill"), "m")
     w.agent = SimpleNamespace(prefill_done=lambda *a, **kw: None, prefill_aborted=lambda *a, **kw: None)  # type: ignore[assignment]

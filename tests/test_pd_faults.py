@@ -197,6 +197,39 @@ def test_undelivered_prefill_leg_fails_over_at_once(cluster: PDCluster) -> None:
         assert _prefill_blocks_back(cluster, engine, free) == free, f"{engine} kept blocks"
 
 
+def test_undelivered_decode_leg_frees_prefill_kv_at_once(cluster: PDCluster) -> None:
+    """A custom frontend gets an assignment and delivers the prefill leg, but not the decode leg,
+    and says so: the prefill engine frees the KV it holds for a reservation that will never come at
+    once, not at its prefill lease (30 s); decode never hears of the transfer."""
+    assert all(p.running for p in cluster.prefills), "both prefills must be up"
+    lease_s = 30.0
+    prompt = prompt_of(N_TOKENS, seed=90)
+    a = cluster.stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=MAX_TOKENS), timeout=10)
+    engine = a.prefill.engine_id
+    before = _prefill_idle_free(cluster, engine)
+    decode_before = _idle_free_blocks(cluster)
+    leg = json_format.MessageToDict(a.prefill_kv_transfer_params)
+    assert len(complete(a.prefill.http_endpoint, prompt, 1, leg, timeout=60)[0]) == 1
+    held, _ = _prefill_free(cluster, engine)
+    deadline = time.monotonic() + 10
+    while held >= before:  # the KV waits for its reservation
+        assert time.monotonic() < deadline, "prefill did not hold the KV for the reservation"
+        time.sleep(0.1)  # load reports come every 500 ms; polled under a deadline
+        held, _ = _prefill_free(cluster, engine)
+    start = time.monotonic()
+    ack = cluster.stub.ReportLegFailure(
+        pb.LegFailure(transfer_id=a.transfer_id, prefill_engine_id=engine, leg=pb.ROLE_DECODE, reason="test: refused"),
+        timeout=10,
+    )
+    assert ack.delivered
+    assert _prefill_blocks_back(cluster, engine, before, timeout_s=lease_s) == before, "prefill kept the KV"
+    assert time.monotonic() - start < lease_s / 3, "prefill held the KV until its lease"
+    assert _idle_free_blocks(cluster) == decode_before
+    cluster.stub.Release(
+        pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_FAILED), timeout=10
+    )
+
+
 def test_killed_prefill_is_retried_elsewhere_token_exact(cluster: PDCluster) -> None:
     assert cluster.baseline is not None
     prompts = [prompt_of(N_TOKENS, seed=40 + i) for i in range(REQUESTS)]

@@ -163,7 +163,7 @@ def test_generate_decode_http_error_fails_and_aborts_the_prefill_leg() -> None:
         # The healthy prefill leg hangs, so the failure must abort it.
         bad = FakeVllm("decode", status=503)
         good = FakeVllm("prefill", hang=True)
-        async with cluster(prefill=good, decode=bad, interval_s=1.0) as (server, stub, _p, _d, _):
+        async with cluster(prefill=good, decode=bad, interval_s=1.0) as (server, stub, _p, _d, insts):
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async for _ in stub.Generate(_req(), timeout=WAIT_S):
                     pass
@@ -172,6 +172,12 @@ def test_generate_decode_http_error_fails_and_aborts_the_prefill_leg() -> None:
             await asyncio.wait_for(good.disconnected.wait(), WAIT_S)
             (rec,) = server.registry.closed.values()
             assert rec.state is State.FAILED and "out of cheese" in rec.reason
+            # The prefill engine heard that no reservation will come (it frees the KV now).
+            prefill_inst, decode_inst = insts
+            await wait_for(lambda: bool(prefill_inst.leg_failures))
+            (f,) = prefill_inst.leg_failures
+            assert (f.transfer_id, f.leg) == (rec.transfer_id, pb.ROLE_DECODE), f
+            assert decode_inst.leg_failures == []
 
     run(body())
 
@@ -367,6 +373,19 @@ def test_report_leg_failure_reaches_only_the_assignments_decode() -> None:
                     await stub.ReportLegFailure(bad, timeout=WAIT_S)
                 assert e.value.code() == code, bad
             assert len(decode.leg_failures) == 1 and other.leg_failures == [] and p0.leg_failures == []
+            # The decode leg: the prefill engine is told, and only it.
+            ack = await stub.ReportLegFailure(
+                pb.LegFailure(transfer_id=a.transfer_id, prefill_engine_id="p0", leg=pb.ROLE_DECODE), timeout=WAIT_S
+            )
+            assert ack.delivered
+            await wait_for(lambda: bool(p0.leg_failures))
+            assert [(f.transfer_id, f.leg) for f in p0.leg_failures] == [(a.transfer_id, pb.ROLE_DECODE)]
+            assert len(decode.leg_failures) == 1 and other.leg_failures == []
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.ReportLegFailure(
+                    pb.LegFailure(transfer_id=a.transfer_id, prefill_engine_id="p0", leg=99), timeout=WAIT_S
+                )
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             for i in (p0, d0, d1):
                 await i.close()
 

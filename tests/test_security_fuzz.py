@@ -360,6 +360,9 @@ _generate = st.builds(
 ).map(lambda r: ("Generate", r))
 _watch = st.builds(pb.WatchRequest, include_current=st.booleans()).map(lambda r: ("Watch", r))
 _list = st.just(("ListInstances", pb.ListInstancesRequest()))
+_leg_failure = st.builds(
+    pb.LegFailure, transfer_id=IDS, prefill_engine_id=IDS, reason=TEXT, leg=st.integers(-1, 5)
+).map(lambda r: ("ReportLegFailure", r))
 
 
 def _scheduler_call(stub: pb_grpc.SchedulerStub, method: str, request: Any) -> grpc.StatusCode:
@@ -386,7 +389,11 @@ def _scheduler_call(stub: pb_grpc.SchedulerStub, method: str, request: Any) -> g
 
 @FUZZ
 @given(
-    calls=st.lists(st.one_of(_register, _reports, _assign, _release, _generate, _watch, _list), min_size=1, max_size=5)
+    calls=st.lists(
+        st.one_of(_register, _reports, _assign, _release, _generate, _watch, _list, _leg_failure),
+        min_size=1,
+        max_size=5,
+    )
 )
 def test_fuzz_scheduler(sched: tuple[SchedulerServer, pb_grpc.SchedulerStub], calls: list[tuple[str, Any]]) -> None:
     server, stub = sched

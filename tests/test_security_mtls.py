@@ -119,15 +119,19 @@ def _spray(address: str) -> None:
 
 def test_policies_and_decisions() -> None:
     """Every method of every service has a rule; the rule table says who may call what."""
-    assert len(SCHEDULER_POLICY) == 8 and len(PREFILL_AGENT_POLICY) == 1 and len(DECODE_RANK_POLICY) == 3
+    assert len(SCHEDULER_POLICY) == 9 and len(PREFILL_AGENT_POLICY) == 1 and len(DECODE_RANK_POLICY) == 3
     register = SCHEDULER_POLICY["/kvpush.v1.Scheduler/Register"]
     assign = SCHEDULER_POLICY["/kvpush.v1.Scheduler/Assign"]
+    leg_failure = SCHEDULER_POLICY["/kvpush.v1.Scheduler/ReportLegFailure"]
     complete = DECODE_RANK_POLICY["/kvpush.v1.DecodeRank/Complete"]
     expect = DECODE_RANK_POLICY["/kvpush.v1.DecodeRank/Expect"]
     d0, p0, fe = PeerIdentity("decode", "d0"), PeerIdentity("prefill", "p0"), PeerIdentity("frontend", "ops")
     assert decide(register, d0, "") is None and decide(register, p0, "") is None
     assert decide(register, fe, "")[0] is DENIED  # type: ignore[index]
     assert decide(assign, fe, "") is None and decide(assign, d0, "")[0] is DENIED  # type: ignore[index]
+    # Only a frontend reports an undelivered leg: an engine could otherwise fail others' transfers.
+    assert decide(leg_failure, fe, "") is None
+    assert decide(leg_failure, d0, "")[0] is DENIED and decide(leg_failure, p0, "")[0] is DENIED  # type: ignore[index]
     assert decide(complete, p0, "d0") is None and decide(complete, d0, "d0")[0] is DENIED  # type: ignore[index]
     assert decide(expect, d0, "d0") is None and decide(expect, d0, "d1")[0] is DENIED  # type: ignore[index]
     assert decide(expect, None, "d0")[0] is grpc.StatusCode.UNAUTHENTICATED  # type: ignore[index]
@@ -307,6 +311,8 @@ def test_roles_bound_to_methods_on_the_scheduler(dev_certs: Path) -> None:
                     assign = stub.Assign(pb.AssignRequest(prompt_tokens=8, max_tokens=1), timeout=WAIT_S)
                     assert await _code(assign) is DENIED, name
                     assert await _code(stub.Release(pb.ReleaseRequest(transfer_id="t"), timeout=WAIT_S)) is DENIED
+                    failure = pb.LegFailure(transfer_id="t", prefill_engine_id="p")
+                    assert await _code(stub.ReportLegFailure(failure, timeout=WAIT_S)) is DENIED
                     assert await _code(stub.ListInstances(pb.ListInstancesRequest(), timeout=WAIT_S)) is DENIED
                     assert await _code(_drain(stub.Watch(pb.WatchRequest(), timeout=WAIT_S))) is DENIED
                     gen = stub.Generate(pb.GenerateRequest(prompt_token_ids=[1], max_tokens=1), timeout=WAIT_S)

@@ -243,6 +243,12 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
     def prefill_aborted(self, transfer_id: str, *, decode_engine_id: str) -> None:
         self.writer.prefill_aborted(decode_engine_id, transfer_id)
 
+    def no_reservation(self, transfer_id: str, *, decode_engine_id: str) -> None:
+        """No reservation will come for the transfer (its decode leg was not delivered): its KV is
+        released now, or as soon as it is done, instead of at the prefill lease. The same as a
+        decode engine's "release prefill KV" cancel (epoch 0): it never touches a reservation."""
+        self.writer.cancel("", decode_engine_id, transfer_id, 0)
+
     def take_released(self, timeout_s: float = 0.0) -> list[ReleaseBlocks]:
         """Drains the released transfers, waiting up to ``timeout_s`` for at least one."""
         return self._released.take(timeout_s)

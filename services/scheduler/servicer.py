@@ -19,7 +19,15 @@ from kvpush.services.scheduler import convert
 from kvpush.services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound, SchedulerError
 from kvpush.services.scheduler.generate import AssignmentLost, GenerateParams, LegError, OpenAIClient, run_legs
 from kvpush.services.scheduler.metrics import Metrics
-from kvpush.services.scheduler.model import AssignmentRecord, Demand, Event, EventKind, Outcome, State
+from kvpush.services.scheduler.model import (
+    AssignmentRecord,
+    Demand,
+    Event,
+    EventKind,
+    InstanceSpec,
+    Outcome,
+    State,
+)
 from kvpush.services.scheduler.registry import Registry
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
@@ -280,12 +288,22 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         return pb.RegisterResponse(lease_interval_ms=round(lease.interval_s * 1000), lease_misses=lease.misses)
 
     def leg_failed(self, rec: AssignmentRecord, prefill_engine_id: str, reason: str) -> bool:
-        """Pushes "the prefill leg for ``prefill_engine_id`` was not delivered" to the assignment's
-        decode instance on its load stream; False when it has none right now (decode then fails
-        over at the reservation lease, as before)."""
-        box = self._outboxes.get((rec.decode.engine_id, rec.decode.incarnation))
+        """The prefill leg for ``prefill_engine_id`` was not delivered: tells the assignment's decode
+        instance on its load stream (it fails that prefill over at once). False when it has no
+        stream right now (decode then fails over at the reservation lease, as before)."""
+        return self._push_leg_failure(rec.decode, rec, prefill_engine_id, reason, pb.ROLE_PREFILL)
+
+    def decode_leg_failed(self, rec: AssignmentRecord, reason: str) -> bool:
+        """The decode leg was not delivered: tells the assignment's prefill instance, which frees
+        the KV it holds (or will hold) for the transfer instead of keeping it for its lease."""
+        return self._push_leg_failure(rec.prefill, rec, rec.prefill.engine_id, reason, pb.ROLE_DECODE)
+
+    def _push_leg_failure(
+        self, to: InstanceSpec, rec: AssignmentRecord, prefill_engine_id: str, reason: str, leg: pb.Role.ValueType
+    ) -> bool:
+        box = self._outboxes.get((to.engine_id, to.incarnation))
         failure = pb.LegFailure(
-            transfer_id=rec.transfer_id, prefill_engine_id=prefill_engine_id, reason=limits.clip(reason)
+            transfer_id=rec.transfer_id, prefill_engine_id=prefill_engine_id, reason=limits.clip(reason), leg=leg
         )
         delivered = False
         if box is not None:
@@ -296,10 +314,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 pass
         self.metrics.leg_failures.labels("pushed" if delivered else "undelivered").inc()
         self.log.warning(
-            "prefill_leg_failed",
+            "leg_failed",
             transfer_id=rec.transfer_id,
+            leg="decode" if leg == pb.ROLE_DECODE else "prefill",
             prefill=prefill_engine_id,
-            decode=rec.decode.engine_id,
+            told=to.engine_id,
             pushed=delivered,
             reason=limits.clip(reason),
         )
@@ -473,6 +492,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await self._refuse(
                 context, "ReportLegFailure", grpc.StatusCode.NOT_FOUND, "no open assignment for this transfer"
             )
+        if request.leg not in (pb.ROLE_UNSPECIFIED, pb.ROLE_PREFILL, pb.ROLE_DECODE):
+            await self._refuse(context, "ReportLegFailure", grpc.StatusCode.INVALID_ARGUMENT, "leg must be a role")
         if request.prefill_engine_id != rec.prefill.engine_id:
             await self._refuse(
                 context,
@@ -480,6 +501,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the assignment's prefill leg is no longer for that engine",
             )
+        if request.leg == pb.ROLE_DECODE:
+            return pb.LegFailureAck(delivered=self.decode_leg_failed(rec, request.reason))
         return pb.LegFailureAck(delivered=self.leg_failed(rec, rec.prefill.engine_id, request.reason))
 
     async def Reroute(self, request: pb.RerouteRequest, context: grpc.aio.ServicerContext) -> pb.RerouteResponse:
@@ -630,6 +653,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             log.warning("generate_leg_failed", leg=exc.leg, reason=reason)
             code = grpc.StatusCode.UNAVAILABLE if exc.unavailable else grpc.StatusCode.INTERNAL
             status = (code, reason)
+            if exc.leg == "decode":
+                self.decode_leg_failed(rec, reason)  # prefill frees its KV now, not at its lease
         except AssignmentLost as exc:
             reason = str(exc)
             status = (grpc.StatusCode.UNAVAILABLE, f"assignment lost: {reason}")

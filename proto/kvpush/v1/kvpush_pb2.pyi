@@ -1038,7 +1038,9 @@ class LoadAck(_message.Message):
     """0 on a message that only carries leg failures"""
     @_builtins.property
     def leg_failures(self) -> _containers.RepeatedCompositeFieldContainer[Global___LegFailure]:
-        """To a decode engine: prefill legs of its open assignments that could not be delivered."""
+        """Legs of this engine's open assignments whose other leg could not be delivered: to a decode
+        engine, undelivered prefill legs; to a prefill engine, undelivered decode legs.
+        """
 
     def __init__(
         self,
@@ -1061,20 +1063,24 @@ class LegFailure(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     PREFILL_ENGINE_ID_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    LEG_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     prefill_engine_id: _builtins.str
-    """the prefill the undelivered leg was for"""
+    """the assignment's prefill (for a prefill leg: the one it was for)"""
     reason: _builtins.str
+    leg: Global___Role.ValueType
+    """the leg that was not delivered: ROLE_PREFILL (also when unset) or ROLE_DECODE"""
     def __init__(
         self,
         *,
         transfer_id: _builtins.str = ...,
         prefill_engine_id: _builtins.str = ...,
         reason: _builtins.str = ...,
+        leg: Global___Role.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefill_engine_id", b"prefill_engine_id", "reason", b"reason", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["leg", b"leg", "prefill_engine_id", b"prefill_engine_id", "reason", b"reason", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1086,7 +1092,7 @@ class LegFailureAck(_message.Message):
 
     DELIVERED_FIELD_NUMBER: _builtins.int
     delivered: _builtins.bool
-    """the decode engine's load stream took it (false: no stream right now)"""
+    """the other engine's load stream took it (false: no stream right now)"""
     def __init__(
         self,
         *,

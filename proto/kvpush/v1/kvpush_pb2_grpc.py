@@ -392,10 +392,12 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ReportLegFailure(self, request, context):
-        """A frontend could not deliver the prefill leg of an open assignment (connection refused, an
-        HTTP error): the scheduler tells the assignment's decode engine on its load stream, which
-        fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting for the
-        reservation lease. Generate does this itself. Frontend identities only.
+        """A frontend could not deliver one leg of an open assignment (connection refused, an HTTP
+        error). The prefill leg: the scheduler tells the assignment's decode engine on its load stream,
+        which fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting
+        for the reservation lease. The decode leg: it tells the prefill engine, which frees the KV it
+        computed (or will compute) for the transfer instead of holding it for its lease. Generate does
+        this itself. Frontend identities only.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

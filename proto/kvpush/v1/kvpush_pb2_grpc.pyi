@@ -186,10 +186,12 @@ class SchedulerStub:
     once the failed prefill is fenced. Only the assignment's decode engine may call it.
     """
     ReportLegFailure: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.LegFailure, _kvpush_pb2.LegFailureAck]
-    """A frontend could not deliver the prefill leg of an open assignment (connection refused, an
-    HTTP error): the scheduler tells the assignment's decode engine on its load stream, which
-    fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting for the
-    reservation lease. Generate does this itself. Frontend identities only.
+    """A frontend could not deliver one leg of an open assignment (connection refused, an HTTP
+    error). The prefill leg: the scheduler tells the assignment's decode engine on its load stream,
+    which fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting
+    for the reservation lease. The decode leg: it tells the prefill engine, which frees the KV it
+    computed (or will compute) for the transfer instead of holding it for its lease. Generate does
+    this itself. Frontend identities only.
     """
     Generate: _grpc.UnaryStreamMultiCallable[_kvpush_pb2.GenerateRequest, _kvpush_pb2.GenerateResponse]
     ListInstances: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.ListInstancesRequest, _kvpush_pb2.ListInstancesResponse]
@@ -218,10 +220,12 @@ class SchedulerAsyncStub(SchedulerStub):
     once the failed prefill is fenced. Only the assignment's decode engine may call it.
     """
     ReportLegFailure: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.LegFailure, _kvpush_pb2.LegFailureAck]  # type: ignore[assignment]
-    """A frontend could not deliver the prefill leg of an open assignment (connection refused, an
-    HTTP error): the scheduler tells the assignment's decode engine on its load stream, which
-    fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting for the
-    reservation lease. Generate does this itself. Frontend identities only.
+    """A frontend could not deliver one leg of an open assignment (connection refused, an HTTP
+    error). The prefill leg: the scheduler tells the assignment's decode engine on its load stream,
+    which fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting
+    for the reservation lease. The decode leg: it tells the prefill engine, which frees the KV it
+    computed (or will compute) for the transfer instead of holding it for its lease. Generate does
+    this itself. Frontend identities only.
     """
     Generate: _aio.UnaryStreamMultiCallable[_kvpush_pb2.GenerateRequest, _kvpush_pb2.GenerateResponse]  # type: ignore[assignment]
     ListInstances: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.ListInstancesRequest, _kvpush_pb2.ListInstancesResponse]  # type: ignore[assignment]
@@ -283,10 +287,12 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         request: _kvpush_pb2.LegFailure,
         context: _ServicerContext,
     ) -> _typing.Union[_kvpush_pb2.LegFailureAck, _abc.Awaitable[_kvpush_pb2.LegFailureAck]]:
-        """A frontend could not deliver the prefill leg of an open assignment (connection refused, an
-        HTTP error): the scheduler tells the assignment's decode engine on its load stream, which
-        fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting for the
-        reservation lease. Generate does this itself. Frontend identities only.
+        """A frontend could not deliver one leg of an open assignment (connection refused, an HTTP
+        error). The prefill leg: the scheduler tells the assignment's decode engine on its load stream,
+        which fails that prefill's transfer at once (fence, then retry elsewhere) instead of waiting
+        for the reservation lease. The decode leg: it tells the prefill engine, which frees the KV it
+        computed (or will compute) for the transfer instead of holding it for its lease. Generate does
+        this itself. Frontend identities only.
         """
 
     @_abc_1.abstractmethod
