@@ -29,7 +29,8 @@ class Registration:
         on_leg_failures: Callable[[list[pb.LegFailure]], None] | None = None,
     ) -> None:
         """``on_leg_failures``: called (on this thread) with what the scheduler pushes on the load
-        stream: prefill legs of this decode engine's assignments that could not be delivered."""
+        stream: assignments of this engine whose other leg could not be delivered (to a decode
+        engine, undelivered prefill legs; to a prefill engine, undelivered decode legs)."""
         self.cfg = cfg
         # mTLS with this engine's certificate: the scheduler takes registrations and load reports
         # only in the certificate's own name.

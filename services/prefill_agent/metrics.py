@@ -22,6 +22,10 @@ PEERS = Gauge("kvpush_prefill_peers", "Connected decode engines")
 LEASE_EXPIRED = Counter(
     "kvpush_prefill_lease_expired_total", "Transfers not written because the decode stream's write lease had expired"
 )
+WRITES_HELD = Counter(
+    "kvpush_prefill_writes_held_total",
+    "Transfers whose KV was ready while the write lease was out: held for the next renewal",
+)
 TEARDOWNS = Counter(
     "kvpush_prefill_teardowns_total", "Decode peers whose NIXL connection was torn down because a WRITE did not end"
 )

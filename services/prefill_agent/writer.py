@@ -473,6 +473,7 @@ class PushWriter:
             # No fresh lease: decode may be fencing these blocks on its timeline (docs/fence.md),
             # so nothing is posted now. A busy decode loop answers the Ping late, not never: the
             # transfer waits for the next renewal, up to ``lease_hold_s``.
+            metrics.WRITES_HELD.inc()
             log.info("write_held", transfer_id=tid, epoch=res.epoch, reason="write lease expired")
             session.held.append(_Held(action, self.clock()))
             return

@@ -327,7 +327,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def ReportLoad(
         self, request_iterator: AsyncIterator[pb.LoadReport], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LoadAck]:
-        """Acks each report; between reports, pushes leg failures to a decode instance at once."""
+        """Acks each report; between reports, pushes leg failures to the instance at once."""
         ident: tuple[str, str] | None = None
         clean = False
         draining = False
@@ -336,6 +336,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         next_report: asyncio.Future[pb.LoadReport] = asyncio.ensure_future(anext(reports))
         next_push: asyncio.Future[pb.LegFailure] | None = None
         box: asyncio.Queue[pb.LegFailure] | None = None
+        box_key: tuple[str, str] | None = None
         try:
             while True:
                 if box is not None and next_push is None:
@@ -369,7 +370,6 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 key = (report.engine_id, report.incarnation)
                 if ident is None:
                     ident = key
-                    box = self._outboxes[key] = asyncio.Queue(maxsize=_MAX_QUEUED_FAILURES)
                 elif key != ident:
                     await context.abort(
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -381,6 +381,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     ident = None  # not ours to close
                     await self._abort(context, exc)
                 draining = report.draining
+                if box is None:  # a registered instance's stream: it may be pushed to from now on
+                    box = self._outboxes[key] = asyncio.Queue(maxsize=_MAX_QUEUED_FAILURES)
+                    box_key = key
                 yield pb.LoadAck(sequence=seq)
             # A broken or cancelled call can also end the iteration without an error, so only a
             # half-close after a draining report is a goodbye; any other end means the instance is lost.
@@ -389,8 +392,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             for fut in (next_report, next_push):
                 if fut is not None:
                     fut.cancel()
-            if ident is not None and box is not None and self._outboxes.get(ident) is box:
-                del self._outboxes[ident]
+            if box_key is not None and self._outboxes.get(box_key) is box:
+                del self._outboxes[box_key]
             if ident is not None and not self.shutting_down:
                 self.registry.stream_closed(ident[0], ident[1], clean)
 
