@@ -240,8 +240,10 @@ class PrefillScheduler:
         self._kv_cache_manager: Any = None
         self._push_bytes: dict[str, int] = {}  # request -> KV bytes handed to the writers, not yet sent
         self._block_bytes = 0  # one block of every layer on every rank
-        # transfer id -> (request id, decode engine) of a live or held request, for leg failures
+        # transfer id -> (request id, decode engine) of a live or held request, for leg failures;
+        # and request id -> transfer id of the held ones, so a step's finished_sending is O(sent)
         self._transfers: dict[str, tuple[str, str]] = {}
+        self._held_transfers: dict[str, str] = {}
         # Undelivered decode legs, from the registration thread, for the next step's metadata.
         self._unreserved_lock = threading.Lock()
         self._unreserved: list[UnreservedPrefill] = []
@@ -337,6 +339,7 @@ class PrefillScheduler:
         if rid in self._flagged:
             self._flagged.discard(rid)
             self._held.add(rid)
+            self._held_transfers[rid] = leg.transfer_id
             return True, {"kvpush": {"role": "prefill_done", "transfer_id": leg.transfer_id}}
         self._aborted.append(AbortedPrefill(leg.transfer_id, leg.decode_engine_id))  # no KV will come: fail fast
         self._push_bytes.pop(rid, None)
@@ -351,9 +354,9 @@ class PrefillScheduler:
         self._held -= finished_sending
         for rid in finished_sending:
             self._push_bytes.pop(rid, None)
-        if finished_sending:
-            for tid in [t for t, (rid, _) in self._transfers.items() if rid in finished_sending]:
-                del self._transfers[tid]
+            tid = self._held_transfers.pop(rid, None)
+            if tid is not None:
+                self._forget_transfer(tid, rid)
 
     def has_pending_push_work(self) -> bool:
         return bool(self._held or self._aborted or self._unreserved)

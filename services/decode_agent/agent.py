@@ -255,7 +255,10 @@ class DecodeAgent:
             DecodeState.PUBLISHED,
         ):
             return  # already moved to another prefill, or past the point where it matters
-        log.warning("prefill_leg_failed", transfer_id=transfer_id, epoch=p.transfer.epoch, reason=reason)
+        self._fail_undelivered(p, why)
+
+    def _fail_undelivered(self, p: _Pending, why: str) -> None:
+        log.warning("prefill_leg_failed", transfer_id=p.transfer.transfer_id, epoch=p.transfer.epoch, reason=why)
         self._fence(p, DecodeState.FAILED, why, retry=True)
 
     def release_prefill(self, transfer_id: str, leg: DecodeLeg, reason: str) -> None:
@@ -312,8 +315,7 @@ class DecodeAgent:
         p.task = asyncio.get_running_loop().create_task(self._publish(p))
         undelivered = self._undelivered.pop(t.transfer_id, None)
         if undelivered is not None and undelivered[0] == p.leg.prefill_engine_id and undelivered[2] > time.monotonic():
-            log.warning("prefill_leg_failed", transfer_id=t.transfer_id, epoch=t.epoch, reason=undelivered[1])
-            self._fence(p, DecodeState.FAILED, undelivered[1], retry=True)
+            self._fail_undelivered(p, undelivered[1])
 
     def _refuse(self, p: _Pending, holder: _Pending) -> None:
         """Fails ``p`` without publishing anything: its ranks get an expectation that names no
