@@ -66,6 +66,10 @@ class ConnectorConfig:
     # every transport); "none" lets cma WRITEs complete without the target calling into NIXL.
     ucx_error_handling_mode: str = ""
     load_report_ms: int = 500
+    # Decode: offer the first-token hand-off (docs/first_token.md). Takes effect only with vLLM's
+    # kv_load_failure_policy "fail" and --worker-cls kvpush.connector.vllm_worker.KvPushWorker.
+    first_token_handoff: bool = True
+    first_token_wait_s: float = 30.0  # KV landed, token not come: the request fails after this
     # Prometheus: the engine-core process serves base, worker rank r serves base + 1 + r; 0: off.
     metrics_base_port: int = 0
 

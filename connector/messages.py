@@ -47,10 +47,16 @@ class UnreservedPrefill:
 
 @dataclass
 class PushMetadata(KVConnectorMetadata):
-    """Scheduler -> worker, per step (prefill only): transfers whose KV this step completes,
-    transfers whose prefill was aborted before it finished, and transfers that will never get a
-    reservation."""
+    """Scheduler -> worker, per step. Prefill: transfers whose KV this step completes, transfers
+    whose prefill was aborted before it finished, and transfers that will never get a reservation.
+    Decode (first-token hand-off): requests reserved this step that wait for their first token as
+    well as for their KV, those whose token was appended to their prompt this step, and those
+    whose seeded sampler is advanced past that token in this step (their first on decode)."""
 
     finished_prefills: list[FinishedPrefill] = field(default_factory=list)
     aborted: list[AbortedPrefill] = field(default_factory=list)
     unreserved: list[UnreservedPrefill] = field(default_factory=list)
+    awaiting_first_token: list[str] = field(default_factory=list)
+    first_token_delivered: list[str] = field(default_factory=list)
+    first_token_abandoned: list[str] = field(default_factory=list)  # ended before their token came
+    advance_sampler: list[str] = field(default_factory=list)

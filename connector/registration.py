@@ -27,6 +27,7 @@ class Registration:
         load: Callable[[], pb.LoadReport],
         security: Security | None = None,
         on_leg_failures: Callable[[list[pb.LegFailure]], None] | None = None,
+        on_first_tokens: Callable[[list[pb.FirstToken]], None] | None = None,
     ) -> None:
         """``on_leg_failures``: called (on this thread) with what the scheduler pushes on the load
         stream: assignments of this engine whose other leg could not be delivered (to a decode
@@ -38,7 +39,11 @@ class Registration:
         self.info = info
         self.load = load
         self.on_leg_failures = on_leg_failures
+        self.on_first_tokens = on_first_tokens  # decode: relayed first tokens, on this thread
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a report to send now: first tokens, or stop
+        self._lock = threading.Lock()
+        self._first_tokens: list[pb.FirstToken] = []
         self._thread = threading.Thread(target=self._run, name="kvpush-registration", daemon=True)
         self.registered = threading.Event()
 
@@ -48,15 +53,34 @@ class Registration:
 
     def stop(self) -> None:
         self._stop.set()
+        self._wake.set()
         self._thread.join(5)
+
+    def first_token(self, token: pb.FirstToken) -> None:
+        """Sends ``token`` (prefill: the first token of a hand-off transfer) on the load stream now,
+        not at the report cadence. Thread-safe; dropped (and logged) beyond a bound, e.g. while the
+        scheduler is unreachable: the decode request then fails within its transfer timeout."""
+        with self._lock:
+            if len(self._first_tokens) >= limits.MAX_EXPECTATIONS_PER_CALL:
+                log.warning("first_token_dropped", transfer_id=token.transfer_id, reason="too many queued")
+                return
+            self._first_tokens.append(token)
+        self._wake.set()
+
+    def _take_first_tokens(self) -> list[pb.FirstToken]:
+        with self._lock:
+            out, self._first_tokens = self._first_tokens, []
+        return out
 
     def _reports(self, interval_s: float) -> Iterator[pb.LoadReport]:
         while not self._stop.is_set():
             report = self.load()
             report.engine_id = self.info.engine_id
             report.incarnation = self.info.incarnation
+            report.first_tokens.extend(self._take_first_tokens())
             yield report
-            self._stop.wait(interval_s)
+            self._wake.wait(interval_s)
+            self._wake.clear()
         report = self.load()
         report.engine_id, report.incarnation, report.draining = self.info.engine_id, self.info.incarnation, True
         yield report  # goodbye: a clean deregistration
@@ -79,6 +103,12 @@ class Registration:
                             self.on_leg_failures(failures)
                         except Exception:
                             log.exception("leg_failures_not_handled", count=len(failures))
+                    if ack.first_tokens and self.on_first_tokens is not None:
+                        tokens = list(ack.first_tokens)[: limits.MAX_EXPECTATIONS_PER_CALL]
+                        try:
+                            self.on_first_tokens(tokens)
+                        except Exception:
+                            log.exception("first_tokens_not_handled", count=len(tokens))
             except grpc.RpcError as exc:
                 self.registered.clear()
                 log.warning(

@@ -7,6 +7,7 @@ only flags, per step, which transfers' KV the step completes.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.legs import LegGate
 from kvpush.connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake, UnreservedPrefill
 from kvpush.connector.registration import Registration
+from kvpush.connector.sampler_state import WORKER_QUALNAME
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.transfer_params import DecodeLeg, PrefillLeg
 from kvpush.services.decode_agent.agent import DecodeAgent, DecodeAgentConfig
@@ -21,6 +23,14 @@ from kvpush.services.decode_agent.reroute import Rerouter
 from kvpush.v1 import kvpush_pb2 as pb
 
 log = get_logger("kvpush.connector.scheduler")
+
+_MAX_PENDING_TOKENS = 4096  # first tokens kept for transfers this engine has not reserved yet
+_PENDING_TOKEN_S = 60.0  # ... and for how long
+
+
+def _is_seeded(request: Any) -> bool:
+    sp = getattr(request, "sampling_params", None)
+    return sp is not None and sp.sampling_type.name == "RANDOM_SEED"  # vLLM gives these a generator
 
 
 def _engine_incarnation(handshakes: list[RankHandshake]) -> str:
@@ -34,6 +44,8 @@ def register(
     ranks: list[RankHandshake],
     load: Callable[[], pb.LoadReport],
     on_leg_failures: Callable[[list[pb.LegFailure]], None] | None = None,
+    on_first_tokens: Callable[[list[pb.FirstToken]], None] | None = None,
+    first_token_handoff: bool = False,
 ) -> Registration | None:
     """Registers the engine with the kvpush scheduler and keeps its load stream, when configured."""
     if not cfg.scheduler_address:
@@ -50,8 +62,36 @@ def register(
         total_kv_blocks=ranks[0].num_blocks,
         tokens_per_block=shape.tokens_per_block,
         http_endpoint=cfg.http_endpoint,
+        first_token_handoff=first_token_handoff,
     )
-    return Registration(cfg, info, load, on_leg_failures=on_leg_failures).start()
+    return Registration(cfg, info, load, on_leg_failures=on_leg_failures, on_first_tokens=on_first_tokens).start()
+
+
+def _handoff_problem(cfg: ConnectorConfig, vllm_config: Any) -> str | None:
+    """Why this decode engine cannot offer the first-token hand-off (None: it can)."""
+    if not cfg.first_token_handoff:
+        return "first_token_handoff is off"
+    policy = getattr(getattr(vllm_config, "kv_transfer_config", None), "kv_load_failure_policy", "fail")
+    if policy != "fail":
+        # A request whose token never comes must fail, not be recomputed from its prompt alone:
+        # its frontend already streamed that token.
+        return f"kv_load_failure_policy is {policy!r}, not 'fail'"
+    worker_cls = getattr(vllm_config.parallel_config, "worker_cls", "")
+    if worker_cls != WORKER_QUALNAME:
+        return f"worker_cls is {worker_cls!r}, not {WORKER_QUALNAME}"
+    return None
+
+
+def append_first_token(request: Any, token: int) -> None:
+    """Makes ``token`` the last prompt token of a request still waiting for its KV: vLLM then
+    computes only that position (the prompt's KV is all pushed) and samples the second token.
+    ``prompt_token_ids`` is the list the scheduler hands the workers for a new request."""
+    request.prompt_token_ids.append(token)
+    request._all_token_ids.append(token)
+    if getattr(request, "prompt_is_token_ids", None) is not None:
+        request.prompt_is_token_ids.append(True)
+    request.num_prompt_tokens += 1
+    request.update_block_hashes()
 
 
 class DecodeScheduler:
@@ -72,6 +112,18 @@ class DecodeScheduler:
         self._received: set[str] = set()  # reserved requests the workers reported done
         self._cancelling: set[str] = set()  # aborted while waiting; workers report once fenced
         self._kv_cache_manager: Any = None
+        # First-token hand-off (docs/first_token.md).
+        self._handoff_problem = _handoff_problem(cfg, vllm_config)
+        model_config = getattr(vllm_config, "model_config", None)
+        self._vocab = int(model_config.get_vocab_size()) if model_config is not None else 2**31
+        self._token_lock = threading.Lock()
+        self._token_inbox: list[pb.FirstToken] = []  # from the registration thread
+        self._tokens: dict[str, tuple[pb.FirstToken, float]] = {}  # transfer id -> token, arrival
+        self._want_token: dict[str, tuple[str, str, Any]] = {}  # request -> (transfer, leg's prefill, request)
+        self._new_waiting: list[str] = []  # reserved this step, waiting for their token too
+        self._delivered: list[str] = []  # tokens appended this step
+        self._advance: set[str] = set()  # seeded requests to advance when they are first scheduled
+        self._abandoned: list[str] = []  # ended while waiting for their token
 
     # ----- start-up -----------------------------------------------------------------------
 
@@ -98,9 +150,69 @@ class DecodeScheduler:
             rerouter=self._rerouter(),
         ).start()
         self.cfg.serve_metrics(0)
+        if self._handoff_problem is not None:
+            log.info("first_token_handoff_off", reason=self._handoff_problem)
         self.registration = register(
-            self.cfg, pb.ROLE_DECODE, self.tp_size, ranks, self._load, on_leg_failures=self._leg_failures
+            self.cfg,
+            pb.ROLE_DECODE,
+            self.tp_size,
+            ranks,
+            self._load,
+            on_leg_failures=self._leg_failures,
+            on_first_tokens=self._first_tokens,
+            first_token_handoff=self._handoff_problem is None,
         )
+
+    def _first_tokens(self, tokens: list[pb.FirstToken]) -> None:
+        """Relayed first tokens (registration thread): taken at the next step."""
+        with self._token_lock:
+            self._token_inbox.extend(tokens)
+
+    def _take_tokens(self, now: float) -> None:
+        """Moves relayed tokens into ``_tokens`` (the first per transfer wins) and appends each to
+        the prompt of the request waiting for it, if it comes from a prefill the transfer was
+        published to. Tokens for transfers not reserved yet wait, for a bounded time."""
+        if self._token_inbox:
+            with self._token_lock:
+                inbox, self._token_inbox = self._token_inbox, []
+            for ft in inbox:
+                if ft.transfer_id in self._tokens:
+                    continue
+                if ft.token_id >= self._vocab:
+                    log.warning("first_token_refused", transfer_id=ft.transfer_id, reason="token id out of range")
+                    continue
+                if len(self._tokens) >= _MAX_PENDING_TOKENS:
+                    log.warning("first_token_refused", transfer_id=ft.transfer_id, reason="too many pending")
+                    continue
+                self._tokens[ft.transfer_id] = (ft, now)
+        if not self._tokens:
+            return
+        for tid, (ft, arrived) in list(self._tokens.items()):
+            rid = self._holders.get(tid)
+            want = self._want_token.get(rid) if rid is not None else None
+            if want is None:
+                if now - arrived > _PENDING_TOKEN_S:
+                    del self._tokens[tid]  # no request of this engine took it
+                continue
+            _, leg_prefill, request = want
+            current = self.agent.prefill_of(tid) if self.agent is not None else None
+            if ft.prefill_engine_id not in (leg_prefill, current):
+                log.warning(
+                    "first_token_refused",
+                    transfer_id=tid,
+                    request_id=rid,
+                    prefill=ft.prefill_engine_id,
+                    reason="not from a prefill this transfer was published to",
+                )
+                del self._tokens[tid]
+                continue
+            assert rid is not None
+            append_first_token(request, int(ft.token_id))
+            del self._want_token[rid]
+            self._delivered.append(rid)
+            if _is_seeded(request):
+                self._advance.add(rid)
+            log.debug("first_token_appended", transfer_id=tid, request_id=rid, token=ft.token_id)
 
     def _leg_failures(self, failures: list[pb.LegFailure]) -> None:
         """Undelivered prefill legs, from the scheduler: those transfers fail over now."""
@@ -176,9 +288,34 @@ class DecodeScheduler:
         self._reserved[rid] = (leg.transfer_id, epoch)
         self._holders.setdefault(leg.transfer_id, rid)
         self._unfilled[rid] = sum(len(g) for g in new)
+        if leg.first_token and self._holders.get(leg.transfer_id) == rid:
+            if self._handoff_problem is not None or getattr(request, "prompt_token_ids", None) is None:
+                # The frontend streams prefill's token and asked for one token less: decode cannot
+                # continue from it, so the request must fail rather than repeat that token.
+                why = self._handoff_problem or "prompt embeddings"
+                log.warning("first_token_handoff_refused", transfer_id=leg.transfer_id, request_id=rid, reason=why)
+                self.agent.cancel(leg.transfer_id, f"first-token hand-off not possible: {why}", epoch=epoch)
+                return
+            self._want_token[rid] = (leg.transfer_id, leg.prefill_engine_id, request)
+            self._new_waiting.append(rid)
 
     def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
-        return PushMetadata()  # decode workers have nothing to do per step
+        """Decode workers need only the first-token hand-off's bookkeeping."""
+        meta = PushMetadata()
+        if self._want_token or self._tokens or self._token_inbox:
+            self._take_tokens(time.monotonic())
+        if self._new_waiting:
+            meta.awaiting_first_token, self._new_waiting = self._new_waiting, []
+        if self._delivered:
+            meta.first_token_delivered, self._delivered = self._delivered, []
+        if self._abandoned:
+            meta.first_token_abandoned, self._abandoned = self._abandoned, []
+        if self._advance:
+            for new in scheduler_output.scheduled_new_reqs:
+                if new.req_id in self._advance:
+                    self._advance.discard(new.req_id)
+                    meta.advance_sampler.append(new.req_id)
+        return meta
 
     def update_connector_output(self, finished_recving: set[str]) -> None:
         for rid in finished_recving:
@@ -201,6 +338,9 @@ class DecodeScheduler:
         self._unfilled.pop(rid, None)
         self._tried.discard(rid)
         self._duplicates.discard(rid)
+        self._advance.discard(rid)
+        if self._want_token.pop(rid, None) is not None:
+            self._abandoned.append(rid)  # its worker stops waiting for the token
         leg = self.legs.of(request) if tid is None and not tried and self.agent is not None else None
         self.legs.forget(rid)
         if self.agent is None:
@@ -340,11 +480,29 @@ class PrefillScheduler:
             self._flagged.discard(rid)
             self._held.add(rid)
             self._held_transfers[rid] = leg.transfer_id
+            if leg.first_token:
+                self._send_first_token(leg, request)
             return True, {"kvpush": {"role": "prefill_done", "transfer_id": leg.transfer_id}}
         self._aborted.append(AbortedPrefill(leg.transfer_id, leg.decode_engine_id))  # no KV will come: fail fast
         self._push_bytes.pop(rid, None)
         self._forget_transfer(leg.transfer_id, rid)
         return False, None
+
+    def _send_first_token(self, leg: PrefillLeg, request: Any) -> None:
+        """First-token hand-off: the token this engine sampled goes to the scheduler now, which
+        relays it to the decode engine and to the frontend."""
+        out = list(getattr(request, "output_token_ids", ()) or ())
+        if not out or self.registration is None:
+            log.warning("first_token_not_sent", transfer_id=leg.transfer_id, request_id=request.request_id)
+            return
+        self.registration.first_token(
+            pb.FirstToken(
+                transfer_id=leg.transfer_id,
+                decode_engine_id=leg.decode_engine_id,
+                token_id=int(out[0]),
+                stopped=request.status.name == "FINISHED_STOPPED",
+            )
+        )
 
     def _forget_transfer(self, transfer_id: str, rid: str) -> None:
         if self._transfers.get(transfer_id, ("",))[0] == rid:

@@ -10,8 +10,10 @@ longer needs.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
+from kvpush.connector import sampler_state
 from kvpush.connector.compute_fence import FenceFactory, FenceGate, NoFence, fence_factory
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.kv_layout import KvDescription, describe
@@ -53,6 +55,11 @@ class DecodeWorker:
         self.incarnation = new_incarnation()
         self.rank: DecodeRank | None = None
         self._handshake: RankHandshake | None = None
+        # First-token hand-off: requests whose release also waits for their token, releases held
+        # for it (with their deadline), and held releases whose token came.
+        self._needs_token: set[str] = set()
+        self._held: dict[str, tuple[Released, float]] = {}
+        self._ready: list[Released] = []
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         rank, tp, desc, engine = _describe(self.cfg, kv_caches, self.model_id, self.incarnation, "d")
@@ -86,21 +93,54 @@ class DecodeWorker:
         return self._handshake
 
     def wait_for_save(self, meta: PushMetadata | None) -> None:
-        return None  # decode saves nothing: prefill pushes into it
+        """Decode saves nothing (prefill pushes into it); before this step samples, it takes the
+        first-token hand-off's bookkeeping: which requests wait for their token as well as their
+        KV, whose token came (or who ended first), and whose seeded sampler to advance now."""
+        if meta is None:
+            return
+        self._needs_token.update(meta.awaiting_first_token)
+        for rid in (*meta.first_token_delivered, *meta.first_token_abandoned):
+            self._needs_token.discard(rid)
+            held = self._held.pop(rid, None)
+            if held is not None:
+                self._ready.append(held[0])
+        for rid in meta.advance_sampler:
+            if not sampler_state.advance_one_step(rid):
+                log.warning("sampler_not_advanced", request_id=rid)
 
     def transfer_results(self, finished_req_ids: set[str] | None = None) -> TransferResults:
         """Requests the rank's barriers released (finished_recving), each exactly once; those not
-        released OK also in failed_recving."""
+        released OK also in failed_recving. A request waiting for its first token (hand-off) is
+        reported once its token was appended, or as failed after ``first_token_wait_s``."""
         out = TransferResults()
         if self.rank is None:
             return out
         released: list[Released] = self.rank.take_released()
+        now = time.monotonic()
         for rel in released:
-            out.finished_recving.add(rel.request_id)
-            # Only OK is a load: CANCELLED (a fenced or superseded reservation) wrote nothing usable.
-            if rel.outcome is not Outcome.OK:
-                out.failed_recving.add(rel.request_id)
+            if rel.outcome is Outcome.OK and rel.request_id in self._needs_token:
+                self._held[rel.request_id] = (rel, now + self.cfg.first_token_wait_s)
+                continue
+            self._report(out, rel, rel.outcome is Outcome.OK)
+        if self._ready:
+            for rel in self._ready:
+                self._report(out, rel, rel.outcome is Outcome.OK)
+            self._ready.clear()
+        if self._held:
+            for rid, (rel, deadline) in list(self._held.items()):
+                if now > deadline:
+                    del self._held[rid]
+                    self._needs_token.discard(rid)
+                    log.warning("first_token_timeout", request_id=rid, transfer_id=rel.transfer_id)
+                    self._report(out, rel, False)
         return out
+
+    @staticmethod
+    def _report(out: TransferResults, rel: Released, ok: bool) -> None:
+        out.finished_recving.add(rel.request_id)
+        # Only OK is a load: CANCELLED (a fenced or superseded reservation) wrote nothing usable.
+        if not ok:
+            out.failed_recving.add(rel.request_id)
 
     def shutdown(self) -> None:
         if self.rank is not None:

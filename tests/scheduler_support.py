@@ -62,8 +62,10 @@ def info(
     blocks: int = 1000,
     tp: int = 1,
     http: str = "",
+    first_token_handoff: bool = False,
 ) -> pb.InstanceInfo:
     return pb.InstanceInfo(
+        first_token_handoff=first_token_handoff,
         engine_id=engine_id,
         role=role,
         incarnation=incarnation,
@@ -87,6 +89,9 @@ class FakeInstance:
     reporting: asyncio.Event = field(default_factory=asyncio.Event)
     acks: int = 0
     leg_failures: list[pb.LegFailure] = field(default_factory=list)  # pushed on the load stream
+    first_tokens: list[pb.FirstToken] = field(default_factory=list)  # relayed to it on the load stream
+    got_first_token: asyncio.Event = field(default_factory=asyncio.Event)
+    outgoing_first_tokens: list[pb.FirstToken] = field(default_factory=list)  # sent with the next report
     _call: Any = None
     _task: asyncio.Task[None] | None = None
     _closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -100,9 +105,12 @@ class FakeInstance:
 
     def report(self) -> pb.LoadReport:
         free = self.info.total_kv_blocks if self.free_blocks is None else self.free_blocks
-        return pb.LoadReport(
+        report = pb.LoadReport(
             engine_id=self.info.engine_id, incarnation=self.info.incarnation, free_blocks=free, **self.extra
         )
+        report.first_tokens.extend(self.outgoing_first_tokens)
+        self.outgoing_first_tokens.clear()
+        return report
 
     async def _reports(self) -> AsyncIterator[pb.LoadReport]:
         while True:
@@ -121,6 +129,9 @@ class FakeInstance:
             async for ack in self._call:
                 self.acks += 1
                 self.leg_failures.extend(ack.leg_failures)
+                if ack.first_tokens:
+                    self.first_tokens.extend(ack.first_tokens)
+                    self.got_first_token.set()
 
     async def close(self) -> None:
         """Says goodbye: a draining report, then a half-close (deregistration)."""

@@ -33,6 +33,7 @@ class FakeVllm:
     status: int = 200
     hang: bool = False  # never answer (until the client goes away)
     gate: asyncio.Event | None = None  # decode waits for it before its last token
+    start_gate: asyncio.Event | None = None  # decode waits for it before its first token
     requests: list[dict[str, Any]] = field(default_factory=list)
     model_calls: int = 0
     received: asyncio.Event = field(default_factory=asyncio.Event)
@@ -80,6 +81,8 @@ class FakeVllm:
                 )
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await resp.prepare(request)
+            if self.start_gate is not None:
+                await self.start_gate.wait()
             n = min(len(self.tokens), body["max_tokens"])
             for i, tok in enumerate(self.tokens[:n]):
                 if self.gate is not None and i == n - 1:
@@ -99,7 +102,7 @@ class FakeVllm:
 
 @contextlib.asynccontextmanager
 async def cluster(
-    prefill: FakeVllm | None = None, decode: FakeVllm | None = None, **kw: Any
+    prefill: FakeVllm | None = None, decode: FakeVllm | None = None, handoff: bool = False, **kw: Any
 ) -> AsyncIterator[tuple[Any, Any, FakeVllm, FakeVllm, list[FakeInstance]]]:
     p = await (prefill or FakeVllm("prefill")).start()
     d = await (decode or FakeVllm("decode")).start()
@@ -107,7 +110,7 @@ async def cluster(
         async with scheduler(**kw) as (server, stub, channel):
             insts = [
                 await FakeInstance(stub, info("p0", pb.ROLE_PREFILL, http=p.url)).start(),
-                await FakeInstance(stub, info("d0", http=d.url)).start(),
+                await FakeInstance(stub, info("d0", http=d.url, first_token_handoff=handoff)).start(),
             ]
             yield server, stub, p, d, insts
             for i in insts:
@@ -238,7 +241,8 @@ def test_generate_client_cancel_aborts_both_legs() -> None:
             prefill=FakeVllm("prefill", hang=True), decode=FakeVllm("decode", gate=gate), interval_s=1.0
         ) as (server, stub, p, d, _):
             call = stub.Generate(_req(), timeout=WAIT_S)
-            first = await call.read()
+            msgs = aiter(call)
+            first = await anext(msgs)
             assert list(first.token_ids) == [11]
             call.cancel()
             await asyncio.wait_for(d.disconnected.wait(), WAIT_S)
@@ -388,5 +392,126 @@ def test_report_leg_failure_reaches_only_the_assignments_decode() -> None:
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             for i in (p0, d0, d1):
                 await i.close()
+
+    run(body())
+
+
+# ----- first-token hand-off ----------------------------------------------------------------------
+
+
+async def _relay_first_token(p: FakeVllm, pinst: FakeInstance, token: int, stopped: bool = False) -> None:
+    """What a prefill engine does once it sampled: its load stream reports the first token."""
+    await asyncio.wait_for(p.received.wait(), WAIT_S)
+    leg = transfer_params.parse(p.requests[-1]["kv_transfer_params"])
+    assert isinstance(leg, transfer_params.PrefillLeg) and leg.first_token
+    pinst.outgoing_first_tokens.append(
+        pb.FirstToken(
+            transfer_id=leg.transfer_id, decode_engine_id=leg.decode_engine_id, token_id=token, stopped=stopped
+        )
+    )
+
+
+def test_generate_streams_prefills_first_token_and_decode_continues() -> None:
+    """With a decode that offers the hand-off, the first token is the one prefill reported (before
+    decode sends anything), decode is asked for one token less, and both legs say so."""
+
+    async def body() -> None:
+        d = FakeVllm("decode", tokens=[12, 13, 14], start_gate=asyncio.Event())
+        async with cluster(decode=d, handoff=True, interval_s=1.0) as (server, stub, p, _, insts):
+            pinst, dinst = insts
+            call = stub.Generate(_req(max_tokens=4), timeout=WAIT_S)
+            relay = asyncio.create_task(_relay_first_token(p, pinst, 11))
+            msgs = aiter(call)
+            first = await anext(msgs)
+            # Decode has streamed nothing yet: the first token can only be prefill's.
+            assert list(first.token_ids) == [11] and first.ttft_seconds > 0 and not first.finished
+            await relay
+            await asyncio.wait_for(dinst.got_first_token.wait(), WAIT_S)
+            (ft,) = dinst.first_tokens
+            assert (ft.transfer_id, ft.prefill_engine_id, ft.token_id) == (first.transfer_id, "p0", 11)
+            assert d.start_gate is not None
+            d.start_gate.set()
+            rest = [m async for m in msgs]
+            assert [list(m.token_ids) for m in rest] == [[12], [13], [14]]
+            assert rest[-1].finished and rest[-1].finish_reason == "length"
+            (dec,) = d.requests
+            assert dec["max_tokens"] == 3
+            dleg = transfer_params.parse(dec["kv_transfer_params"])
+            assert isinstance(dleg, transfer_params.DecodeLeg) and dleg.first_token
+            assert server.registry.closed[first.transfer_id].state is State.OK
+            sample = server.metrics.registry.get_sample_value
+            assert sample("kvpush_scheduler_first_tokens_total", {"result": "relayed"}) == 1
+            assert not server.servicer._first_token_waiters
+
+    run(body())
+
+
+def test_generate_ends_at_a_first_token_that_stopped_the_request() -> None:
+    """Prefill's token was EOS: the request ends with it (as on one instance) and the decode leg is
+    aborted, never read."""
+
+    async def body() -> None:
+        d = FakeVllm("decode", tokens=[12, 13], start_gate=asyncio.Event())
+        async with cluster(decode=d, handoff=True, interval_s=1.0) as (server, stub, p, _, insts):
+            relay = asyncio.create_task(_relay_first_token(p, insts[0], 2, stopped=True))
+            msgs = [m async for m in stub.Generate(_req(max_tokens=4, ignore_eos=False), timeout=WAIT_S)]
+            await relay
+            assert [list(m.token_ids) for m in msgs] == [[2]]
+            assert msgs[-1].finished and msgs[-1].finish_reason == "stop"
+            await asyncio.wait_for(d.disconnected.wait(), WAIT_S)
+            assert server.registry.closed[msgs[0].transfer_id].state is State.OK
+
+    run(body())
+
+
+def test_no_handoff_without_a_decode_that_offers_it_or_for_one_token() -> None:
+    async def body() -> None:
+        async with cluster(interval_s=1.0) as (server, stub, p, d, _):
+            msgs = [m async for m in stub.Generate(_req(max_tokens=4), timeout=WAIT_S)]
+            assert [list(m.token_ids) for m in msgs] == [[11], [12], [13], [14]]
+            assert d.requests[0]["max_tokens"] == 4
+            leg = transfer_params.parse(d.requests[0]["kv_transfer_params"])
+            assert isinstance(leg, transfer_params.DecodeLeg) and not leg.first_token
+        async with cluster(handoff=True, interval_s=1.0) as (server, stub, p, d, _):
+            msgs = [m async for m in stub.Generate(_req(max_tokens=1), timeout=WAIT_S)]
+            assert [list(m.token_ids) for m in msgs] == [[11]]
+            leg = transfer_params.parse(d.requests[0]["kv_transfer_params"])
+            assert isinstance(leg, transfer_params.DecodeLeg) and not leg.first_token
+
+    run(body())
+
+
+def test_assign_grants_the_handoff_only_when_asked_and_offered() -> None:
+    async def body() -> None:
+        async with cluster(handoff=True, interval_s=1.0) as (server, stub, *_):
+            for asked in (False, True):
+                a = await stub.Assign(
+                    pb.AssignRequest(prompt_tokens=10, max_tokens=4, first_token_from_prefill=asked), timeout=WAIT_S
+                )
+                assert a.first_token_from_prefill is asked
+                d = a.decode_kv_transfer_params.fields[transfer_params.KEY].struct_value.fields["first_token"]
+                assert d.bool_value is asked
+        async with cluster(interval_s=1.0) as (server, stub, *_):
+            a = await stub.Assign(
+                pb.AssignRequest(prompt_tokens=10, max_tokens=4, first_token_from_prefill=True), timeout=WAIT_S
+            )
+            assert not a.first_token_from_prefill
+
+    run(body())
+
+
+def test_first_tokens_from_a_decode_engine_are_not_relayed() -> None:
+    """Only a prefill engine's load stream may report first tokens, and the relayed token names the
+    stream's own engine, whatever the report says."""
+
+    async def body() -> None:
+        async with cluster(handoff=True, interval_s=1.0) as (server, stub, p, d, insts):
+            pinst, dinst = insts
+            dinst.outgoing_first_tokens.append(pb.FirstToken(transfer_id="t1", decode_engine_id="d0", token_id=5))
+            pinst.outgoing_first_tokens.append(
+                pb.FirstToken(transfer_id="t2", decode_engine_id="d0", prefill_engine_id="d0", token_id=6)
+            )
+            await asyncio.wait_for(dinst.got_first_token.wait(), WAIT_S)
+            assert [(f.transfer_id, f.prefill_engine_id, f.token_id) for f in dinst.first_tokens] == [("t2", "p0", 6)]
 
     run(body())

@@ -255,7 +255,7 @@ class _HangingClient(OpenAIClient):
     async def prefill(self, endpoint: str, p: Any, params: Any) -> None:
         await asyncio.Event().wait()
 
-    async def decode(self, endpoint: str, p: Any, params: Any) -> AsyncIterator[Chunk]:
+    async def decode(self, endpoint: str, p: Any, params: Any, max_tokens: int | None = None) -> AsyncIterator[Chunk]:
         await asyncio.Event().wait()
         yield Chunk([], "")
 

@@ -275,7 +275,7 @@ class _InstantClient(OpenAIClient):
     async def prefill(self, endpoint: str, p: Any, params: Any) -> None:
         return None
 
-    async def decode(self, endpoint: str, p: Any, params: Any) -> AsyncIterator[Chunk]:
+    async def decode(self, endpoint: str, p: Any, params: Any, max_tokens: int | None = None) -> AsyncIterator[Chunk]:
         yield Chunk([7], "length")
 
 

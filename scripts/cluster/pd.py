@@ -56,12 +56,23 @@ class PDCluster:
         r = self.generate_timed(prompt, max_tokens, timeout_s)
         return r.tokens, r.ttft_s
 
-    def generate_timed(self, prompt: list[int], max_tokens: int, timeout_s: float = 120.0) -> Timed:
-        """Greedy generation with client-side timings: TTFT, and TPOT over the later tokens."""
+    def generate_timed(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        timeout_s: float = 120.0,
+        temperature: float = 0.0,
+        seed: int = 0,
+        ignore_eos: bool = True,
+    ) -> Timed:
+        """Generation (greedy unless ``temperature``; ``seed`` 0: none) with client-side timings:
+        TTFT, and TPOT over the later tokens."""
         tokens: list[int] = []
         start = time.perf_counter()
         first = last = 0.0
-        req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        req = pb.GenerateRequest(
+            prompt_token_ids=prompt, max_tokens=max_tokens, temperature=temperature, ignore_eos=ignore_eos, seed=seed
+        )
         for msg in self.stub.Generate(req, timeout=timeout_s):
             if msg.token_ids:
                 now = time.perf_counter()

@@ -58,6 +58,9 @@ class PrefillLeg:
     epoch: int = 0  # the scheduler's assignment epoch; 0: not given (unsigned, hand-built legs)
     expires_at: float = 0.0  # unix seconds; 0: no expiry (unsigned legs)
     sig: str = ""  # base64url Ed25519 signature of canonical_bytes(leg); empty: unsigned
+    # First-token hand-off: prefill reports the token it samples to the scheduler, which relays it
+    # to the decode engine (docs/first_token.md).
+    first_token: bool = False
 
 
 @dataclass(frozen=True)
@@ -77,6 +80,9 @@ class DecodeLeg:
     decode_engine_id: str = ""  # the engine this leg is for; empty only in unsigned, hand-built legs
     expires_at: float = 0.0
     sig: str = ""
+    # First-token hand-off: decode continues from the token its prefill sampled (appended to the
+    # prompt once it arrives); the frontend sends this leg with one token less (docs/first_token.md).
+    first_token: bool = False
 
 
 Leg = PrefillLeg | DecodeLeg
@@ -95,7 +101,8 @@ def canonical_bytes(fields: Mapping[str, Any]) -> bytes:
     encoder verifies the same. JSON strings, numbers and lists are unambiguous, so no two different
     legs share these bytes.
     """
-    body = {k: v for k, v in fields.items() if k != "sig"}
+    # ``first_token`` is signed only when set, so legs without the hand-off sign as they always did.
+    body = {k: v for k, v in fields.items() if k != "sig" and not (k == "first_token" and v is False)}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return _SIGNING_CONTEXT + text.encode("ascii")
 
@@ -126,6 +133,7 @@ def parse(params: Any) -> Leg | None:
             epoch=_int(raw, "epoch", 0, MAX_EPOCH, 0),
             expires_at=_expiry(raw),
             sig=_sig(raw),
+            first_token=_bool(raw, "first_token", False),
         )
     if role == "decode":
         tp = _int(raw, "prefill_tp_size", 1, MAX_TP_SIZE)
@@ -147,6 +155,7 @@ def parse(params: Any) -> Leg | None:
             decode_engine_id=_id(raw, "decode_engine_id", ""),
             expires_at=_expiry(raw),
             sig=_sig(raw),
+            first_token=_bool(raw, "first_token", False),
         )
     raise LegError(f"unknown kvpush role {_show(role)}")
 
@@ -226,6 +235,13 @@ def _int(raw: Mapping[str, Any], key: str, lo: int, hi: int, default: Any = _MIS
         return int(value)
     if not lo <= value <= hi:
         raise LegError(f"{key} must be in {lo}..{hi}, not {_show(value)}")
+    return value
+
+
+def _bool(raw: Mapping[str, Any], key: str, default: Any = _MISSING) -> bool:
+    value = _get(raw, key, default)
+    if not isinstance(value, bool):
+        raise LegError(f"{key} must be a boolean, not {_show(value)}")
     return value
 
 

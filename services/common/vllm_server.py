@@ -151,6 +151,13 @@ class VllmServer:
         ]
         if self.kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config, separators=(",", ":"))]
+            if (
+                self.kv_transfer_config.get("kv_connector_module_path") == "kvpush.connector.push_connector"
+                and self.kv_transfer_config.get("kv_role") == "kv_consumer"
+                and "--worker-cls" not in self.extra_args
+            ):
+                # A kvpush decode engine offers the first-token hand-off (docs/first_token.md).
+                args += ["--worker-cls", "kvpush.connector.vllm_worker.KvPushWorker"]
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:

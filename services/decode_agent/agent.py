@@ -277,6 +277,12 @@ class DecodeAgent:
         """The decode ranks released the transfer on their own (every prefill rank reported)."""
         self._loop.call_soon(self._finished, transfer_id, epoch)
 
+    def prefill_of(self, transfer_id: str) -> str | None:
+        """The prefill engine the transfer's newest epoch is published to (after a reroute, the new
+        one); None once it is forgotten. A snapshot read, safe from any thread."""
+        p = self._current(transfer_id)
+        return p.leg.prefill_engine_id if p is not None else None
+
     def state(self, transfer_id: str) -> DecodeState | None:
         """For tests and tools: the transfer's state, None once it is forgotten."""
 

@@ -55,6 +55,7 @@ def spec_from_pb(info: pb.InstanceInfo) -> InstanceSpec:
         tokens_per_block=info.tokens_per_block,
         http_endpoint=info.http_endpoint.rstrip("/"),
         agent_incarnations=tuple(getattr(info, "agent_incarnations", ())),
+        first_token_handoff=info.role == pb.ROLE_DECODE and info.first_token_handoff,
     )
 
 
@@ -68,6 +69,7 @@ def spec_to_pb(spec: InstanceSpec) -> pb.InstanceInfo:
         total_kv_blocks=spec.total_kv_blocks,
         tokens_per_block=spec.tokens_per_block,
         http_endpoint=spec.http_endpoint,
+        first_token_handoff=spec.first_token_handoff,
     )
     if spec.agent_incarnations and _HAS_AGENT_INCARNATIONS:
         info.agent_incarnations.extend(spec.agent_incarnations)
@@ -127,7 +129,9 @@ def _leg_fields(rec: AssignmentRecord, signer: LegSigner | None) -> tuple[dict[s
     """Both legs' fields: the cached templates patched with this assignment's transfer id and epoch,
     then, with a signer, the expiry and each leg's signature (over every field but ``sig``)."""
     key = transfer_params.KEY
-    per_assignment = {"transfer_id": rec.transfer_id, "epoch": rec.epoch}
+    per_assignment: dict[str, Any] = {"transfer_id": rec.transfer_id, "epoch": rec.epoch}
+    if rec.first_token:
+        per_assignment["first_token"] = True
     prefill = {**_prefill_template(rec.decode, rec.prefill.engine_id)[0][key], **per_assignment}
     decode = {**_decode_template(rec.prefill, rec.decode.engine_id)[0][key], **per_assignment}
     if signer is not None:
@@ -182,7 +186,7 @@ def _struct(d: dict[str, Any]) -> struct_pb2.Struct:
 
 
 def assignment_to_pb(rec: AssignmentRecord, signer: LegSigner | None = None) -> pb.Assignment:
-    a = pb.Assignment(transfer_id=rec.transfer_id, epoch=rec.epoch)
+    a = pb.Assignment(transfer_id=rec.transfer_id, epoch=rec.epoch, first_token_from_prefill=rec.first_token)
     a.prefill.CopyFrom(_info(rec.prefill))
     a.decode.CopyFrom(_info(rec.decode))
     key = transfer_params.KEY
@@ -193,6 +197,7 @@ def assignment_to_pb(rec: AssignmentRecord, signer: LegSigner | None = None) -> 
     for leg in (prefill, decode):
         leg["transfer_id"].string_value = rec.transfer_id
         leg["epoch"].number_value = rec.epoch  # exact: epochs stay below 2**53
+        leg["first_token"].bool_value = rec.first_token
     if signer is not None:
         # Signed over the same fields as leg_params; the connector normalises the Struct's doubles
         # back to ints before it checks, so the signature covers values, not their encoding.

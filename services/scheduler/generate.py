@@ -2,6 +2,11 @@
 
 The prefill leg is a non-streaming completion with ``max_tokens=1``; the decode leg streams, and its
 ``choices[0].token_ids`` (vLLM's ``return_token_ids``) are forwarded as they arrive.
+
+With the first-token hand-off (``rec.first_token``), the request's first token is the one prefill
+sampled: the scheduler relays it from prefill's load stream both to decode (which appends it to the
+prompt and continues from it) and to this call, which streams it the moment it comes; the decode
+leg is sent with one token less, and its tokens follow (docs/first_token.md).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import aiohttp
 from kvpush.services.common.leg_signing import LegSigner
 from kvpush.services.scheduler.convert import leg_params
 from kvpush.services.scheduler.model import AssignmentRecord
+from kvpush.v1 import kvpush_pb2 as pb
 
 _UNAVAILABLE_HTTP = {502, 503, 504}
 _MAX_BODY = 2000
@@ -106,11 +112,13 @@ class OpenAIClient:
         except (aiohttp.ClientError, TimeoutError):
             return False
 
-    def _body(self, model: str, p: GenerateParams, params: dict[str, Any], stream: bool) -> dict[str, Any]:
+    def _body(
+        self, model: str, p: GenerateParams, params: dict[str, Any], stream: bool, max_tokens: int | None = None
+    ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": model,
             "prompt": p.prompt_token_ids,
-            "max_tokens": p.max_tokens if stream else 1,
+            "max_tokens": (max_tokens or p.max_tokens) if stream else 1,
             "temperature": p.temperature,
             "ignore_eos": p.ignore_eos,
             "return_token_ids": True,
@@ -132,8 +140,10 @@ class OpenAIClient:
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise LegError("prefill", f"POST {url}: {exc!r}", unavailable=True) from exc
 
-    async def decode(self, endpoint: str, p: GenerateParams, params: dict[str, Any]) -> AsyncIterator[Chunk]:
-        body = self._body(await self.model("decode", endpoint), p, params, stream=True)
+    async def decode(
+        self, endpoint: str, p: GenerateParams, params: dict[str, Any], max_tokens: int | None = None
+    ) -> AsyncIterator[Chunk]:
+        body = self._body(await self.model("decode", endpoint), p, params, stream=True, max_tokens=max_tokens)
         url = f"{endpoint}/v1/completions"
         try:
             async with self._http().post(url, json=body) as resp:
@@ -176,6 +186,7 @@ async def run_legs(
     lost: asyncio.Future[str],
     signer: LegSigner | None = None,
     on_prefill_failed: Callable[[str, str], object] | None = None,
+    first_token: asyncio.Future[pb.FirstToken] | None = None,
 ) -> AsyncIterator[Chunk]:
     """Sends both legs at once (signed by ``signer`` when given) and yields the decode chunks. Raises
     LegError when the decode leg fails, AssignmentLost when ``lost`` resolves first. A failed prefill
@@ -183,17 +194,25 @@ async def run_legs(
     transfer to another prefill or fails the request itself (then the decode leg says so, and the
     error names the prefill leg's failure too). ``on_prefill_failed(prefill engine id, reason)`` is
     called the moment the prefill leg fails, so decode can fail over at once. Leaving early (cancel,
-    error) aborts both legs."""
+    error) aborts both legs.
+
+    ``first_token`` (with ``rec.first_token``): resolves with the token prefill sampled; it is
+    yielded first, the decode leg asks for one token less, and its chunks follow (a decode chunk
+    can only come after decode got the same token, but is held back until it was yielded)."""
     prefill_params, decode_params = leg_params(rec, signer)
+    handoff = rec.first_token and first_token is not None
     q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
     async def decode_leg() -> None:
         try:
-            async for chunk in client.decode(rec.decode.http_endpoint, p, decode_params):
+            n = p.max_tokens - 1 if handoff else None
+            async for chunk in client.decode(rec.decode.http_endpoint, p, decode_params, max_tokens=n):
                 q.put_nowait(("chunk", chunk))
             q.put_nowait(("done", None))
         except LegError as exc:
             q.put_nowait(("error", exc))
+        except Exception as exc:  # a bug must end the call, never leave it waiting for its deadline
+            q.put_nowait(("error", LegError("decode", f"decode leg crashed: {exc!r}", False)))
 
     async def prefill_leg() -> None:
         prefill = rec.prefill.engine_id
@@ -210,14 +229,36 @@ async def run_legs(
         if not f.cancelled():
             q.put_nowait(("lost", f.result()))
 
+    def on_first_token(f: asyncio.Future[pb.FirstToken]) -> None:
+        if not f.cancelled():
+            q.put_nowait(("first", f.result()))
+
     tasks = [asyncio.create_task(decode_leg()), asyncio.create_task(prefill_leg())]
     lost.add_done_callback(on_lost)
+    if handoff:
+        assert first_token is not None
+        first_token.add_done_callback(on_first_token)
+    held: list[Chunk] = []  # decode chunks that came before the first token was yielded
+    waiting_first = handoff
     try:
         while True:
             kind, value = await q.get()
-            if kind == "chunk":
-                yield value
+            if kind == "first":
+                waiting_first = False
+                yield Chunk(token_ids=[int(value.token_id)], finish_reason="stop" if value.stopped else "")
+                if value.stopped:
+                    return  # EOS: nothing follows it (leaving aborts the decode leg)
+                for chunk in held:
+                    yield chunk
+                held.clear()
+            elif kind == "chunk":
+                if waiting_first:
+                    held.append(value)
+                else:
+                    yield value
             elif kind == "done":
+                if waiting_first:
+                    raise LegError("decode", "the decode leg ended before the first token came", False)
                 break
             elif kind == "error":
                 if prefill_error:
@@ -230,6 +271,8 @@ async def run_legs(
         await asyncio.wait([tasks[1]], timeout=5.0)
     finally:
         lost.remove_done_callback(on_lost)
+        if first_token is not None:
+            first_token.remove_done_callback(on_first_token)
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

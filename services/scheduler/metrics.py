@@ -79,6 +79,12 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.first_tokens = Counter(
+            "kvpush_scheduler_first_tokens_total",
+            "First tokens from prefill engines (first-token hand-off), by whether decode's load stream took them",
+            ["result"],
+            registry=r,
+        )
         self.generate = Counter("kvpush_scheduler_generate_total", "Generate calls by result", ["result"], registry=r)
         self.ttft = Histogram(
             "kvpush_scheduler_generate_ttft_seconds",

@@ -49,6 +49,7 @@ class InstanceSpec:
     http_endpoint: str
     # Per TP rank, aligned with agent_endpoints; empty when the instance does not report them.
     agent_incarnations: tuple[str, ...] = ()
+    first_token_handoff: bool = False  # decode: continues from the prefill's first token
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""
@@ -210,3 +211,5 @@ class AssignmentRecord:
     tried_prefills: set[str] = field(default_factory=set)
     prefill_lost: str = ""
     earlier_epochs: set[int] = field(default_factory=set)  # before reroutes; Release may name them
+    # First-token hand-off granted: both legs say so, and the frontend streams prefill's token.
+    first_token: bool = False

@@ -26,6 +26,7 @@ from kvpush.services.scheduler.model import (
     EventKind,
     InstanceSpec,
     Outcome,
+    Role,
     State,
 )
 from kvpush.services.scheduler.registry import Registry
@@ -140,8 +141,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._lost: dict[str, asyncio.Future[str]] = {}
         self._decision_counters: dict[tuple[str, str], Any] = {}
         self._prefill_legs: set[asyncio.Task[None]] = set()  # prefill legs sent by Reroute
-        # Per decode instance (engine id, incarnation) with a load stream: leg failures to push down it.
-        self._outboxes: dict[tuple[str, str], asyncio.Queue[pb.LegFailure]] = {}
+        # Per instance (engine id, incarnation) with a load stream: leg failures and first tokens
+        # to push down it.
+        self._outboxes: dict[tuple[str, str], asyncio.Queue[pb.LegFailure | pb.FirstToken]] = {}
+        # Generate calls waiting for their transfer's first token (first-token hand-off).
+        self._first_token_waiters: dict[str, asyncio.Future[pb.FirstToken]] = {}
         registry.event_listeners.append(self._on_event)
         registry.closed_listeners.append(self._on_closed)
         registry.capacity_listeners.append(self._changed.notify)
@@ -324,6 +328,50 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         )
         return delivered
 
+    def _relay_first_tokens(self, report: pb.LoadReport) -> None:
+        """First tokens a prefill engine sampled: each goes to the decode engine it names (its
+        current incarnation's load stream) and to a Generate call waiting for it. The prefill is
+        named by the scheduler (the stream's authenticated engine), never by the report; decode
+        takes a token only from a prefill its transfer was published to."""
+        inst = self.registry.instances.get(report.engine_id)
+        if inst is None or inst.spec.role is not Role.PREFILL:
+            self.log.warning("first_tokens_refused", engine_id=report.engine_id, reason="not a prefill engine")
+            return
+        if len(report.first_tokens) > limits.MAX_EXPECTATIONS_PER_CALL:
+            self.log.warning("first_tokens_refused", engine_id=report.engine_id, reason="too many in one report")
+            return
+        for ft in report.first_tokens:
+            if max(len(ft.transfer_id), len(ft.decode_engine_id)) > limits.MAX_ID_CHARS or not ft.transfer_id:
+                self.log.warning("first_token_refused", engine_id=report.engine_id, reason="bad ids")
+                continue
+            relayed = pb.FirstToken(
+                transfer_id=ft.transfer_id,
+                decode_engine_id=ft.decode_engine_id,
+                prefill_engine_id=report.engine_id,
+                token_id=ft.token_id,
+                stopped=ft.stopped,
+            )
+            waiter = self._first_token_waiters.get(ft.transfer_id)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(relayed)
+            decode = self.registry.instances.get(ft.decode_engine_id)
+            box = self._outboxes.get((decode.spec.engine_id, decode.spec.incarnation)) if decode is not None else None
+            delivered = False
+            if box is not None:
+                try:
+                    box.put_nowait(relayed)
+                    delivered = True
+                except asyncio.QueueFull:
+                    pass
+            self.metrics.first_tokens.labels("relayed" if delivered else "undelivered").inc()
+            if not delivered:
+                self.log.warning(
+                    "first_token_undelivered",
+                    transfer_id=ft.transfer_id,
+                    decode=ft.decode_engine_id,
+                    prefill=report.engine_id,
+                )
+
     async def ReportLoad(
         self, request_iterator: AsyncIterator[pb.LoadReport], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LoadAck]:
@@ -334,8 +382,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         peer = peer_identity(context)
         reports = aiter(request_iterator)
         next_report: asyncio.Future[pb.LoadReport] = asyncio.ensure_future(anext(reports))
-        next_push: asyncio.Future[pb.LegFailure] | None = None
-        box: asyncio.Queue[pb.LegFailure] | None = None
+        next_push: asyncio.Future[pb.LegFailure | pb.FirstToken] | None = None
+        box: asyncio.Queue[pb.LegFailure | pb.FirstToken] | None = None
         box_key: tuple[str, str] | None = None
         try:
             while True:
@@ -345,11 +393,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if next_push is not None and next_push in done:
                     assert box is not None
-                    failures = [next_push.result()]
-                    while not box.empty() and len(failures) < _MAX_PUSHED_FAILURES:
-                        failures.append(box.get_nowait())
+                    pushed = [next_push.result()]
+                    while not box.empty() and len(pushed) < _MAX_PUSHED_FAILURES:
+                        pushed.append(box.get_nowait())
                     next_push = None
-                    yield pb.LoadAck(leg_failures=failures)
+                    yield pb.LoadAck(
+                        leg_failures=[m for m in pushed if isinstance(m, pb.LegFailure)],
+                        first_tokens=[m for m in pushed if isinstance(m, pb.FirstToken)],
+                    )
                 if next_report not in done:
                     continue
                 try:
@@ -381,6 +432,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     ident = None  # not ours to close
                     await self._abort(context, exc)
                 draining = report.draining
+                if report.first_tokens:
+                    self._relay_first_tokens(report)
                 if box is None:  # a registered instance's stream: it may be pushed to from now on
                     box = self._outboxes[key] = asyncio.Queue(maxsize=_MAX_QUEUED_FAILURES)
                     box_key = key
@@ -444,6 +497,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 raise InvalidArgument(bound)
             demand = Demand(request.prompt_tokens, request.max_tokens, request.prefix_hint)
             rec = await self._admit(demand, request.transfer_id, context.time_remaining())
+            rec.first_token = request.first_token_from_prefill and rec.decode.first_token_handoff
         except SchedulerError as exc:
             if isinstance(exc, NoCapacity):
                 self.metrics.rejections.labels(exc.reason).inc()
@@ -608,6 +662,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             demand = Demand(len(request.prompt_token_ids), request.max_tokens)
             rec = await self._admit(demand, "", context.time_remaining())
             rec.held = True  # released below, whatever happens
+            # The first token is prefill's: streamed the moment it is sampled, decode continues.
+            rec.first_token = request.max_tokens >= 2 and rec.decode.first_token_handoff
         except SchedulerError as exc:
             if isinstance(exc, NoCapacity):
                 self.metrics.rejections.labels(exc.reason).inc()
@@ -626,12 +682,21 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         )
         lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._lost[rec.transfer_id] = lost
+        first_token: asyncio.Future[pb.FirstToken] | None = None
+        if rec.first_token:
+            first_token = self._first_token_waiters[rec.transfer_id] = asyncio.get_running_loop().create_future()
         outcome, reason, tokens = Outcome.FAILED, "", 0
         status: tuple[grpc.StatusCode, str] | None = None
         first = True
         try:
             async for chunk in run_legs(
-                self.client, rec, params, lost, self.signer, on_prefill_failed=partial(self.leg_failed, rec)
+                self.client,
+                rec,
+                params,
+                lost,
+                self.signer,
+                on_prefill_failed=partial(self.leg_failed, rec),
+                first_token=first_token,
             ):
                 msg = pb.GenerateResponse(
                     transfer_id=rec.transfer_id,
@@ -663,6 +728,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             status = (grpc.StatusCode.UNAVAILABLE, f"assignment lost: {reason}")
         finally:
             self._lost.pop(rec.transfer_id, None)
+            self._first_token_waiters.pop(rec.transfer_id, None)
             self.metrics.generate.labels(outcome.value).inc()
             if rec.state is State.OPEN:
                 self.registry.release(rec.transfer_id, rec.epoch, outcome, reason)

@@ -907,6 +907,7 @@ class InstanceInfo(_message.Message):
     TOKENS_PER_BLOCK_FIELD_NUMBER: _builtins.int
     HTTP_ENDPOINT_FIELD_NUMBER: _builtins.int
     AGENT_INCARNATIONS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_HANDOFF_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     incarnation: _builtins.str
@@ -915,6 +916,10 @@ class InstanceInfo(_message.Message):
     tokens_per_block: _builtins.int
     http_endpoint: _builtins.str
     """OpenAI-compatible server, http://host:port"""
+    first_token_handoff: _builtins.bool
+    """Decode: continues a request from the first token its prefill sampled (appended to the
+    prompt before generating), so a frontend may stream that token at once (docs/first_token.md).
+    """
     @_builtins.property
     def agent_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """host:port per TP rank (prefill: PrefillAgent servers)"""
@@ -935,10 +940,11 @@ class InstanceInfo(_message.Message):
         tokens_per_block: _builtins.int = ...,
         http_endpoint: _builtins.str = ...,
         agent_incarnations: _abc.Iterable[_builtins.str] | None = ...,
+        first_token_handoff: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoints", b"agent_endpoints", "agent_incarnations", b"agent_incarnations", "engine_id", b"engine_id", "http_endpoint", b"http_endpoint", "incarnation", b"incarnation", "role", b"role", "tokens_per_block", b"tokens_per_block", "total_kv_blocks", b"total_kv_blocks", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoints", b"agent_endpoints", "agent_incarnations", b"agent_incarnations", "engine_id", b"engine_id", "first_token_handoff", b"first_token_handoff", "http_endpoint", b"http_endpoint", "incarnation", b"incarnation", "role", b"role", "tokens_per_block", b"tokens_per_block", "total_kv_blocks", b"total_kv_blocks", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1000,6 +1006,7 @@ class LoadReport(_message.Message):
     WAITING_REQUESTS_FIELD_NUMBER: _builtins.int
     WRITE_BYTES_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
+    FIRST_TOKENS_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     incarnation: _builtins.str
     free_blocks: _builtins.int
@@ -1008,6 +1015,12 @@ class LoadReport(_message.Message):
     waiting_requests: _builtins.int
     write_bytes_in_flight: _builtins.int
     draining: _builtins.bool
+    @_builtins.property
+    def first_tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___FirstToken]:
+        """Prefill: first tokens sampled for transfers whose legs asked for the hand-off (sent at once,
+        not at the report cadence); the scheduler relays each to the decode engine it names.
+        """
+
     def __init__(
         self,
         *,
@@ -1019,14 +1032,52 @@ class LoadReport(_message.Message):
         waiting_requests: _builtins.int = ...,
         write_bytes_in_flight: _builtins.int = ...,
         draining: _builtins.bool = ...,
+        first_tokens: _abc.Iterable[Global___FirstToken] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "engine_id", b"engine_id", "free_blocks", b"free_blocks", "incarnation", b"incarnation", "reserved_unfilled_blocks", b"reserved_unfilled_blocks", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests", "write_bytes_in_flight", b"write_bytes_in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "engine_id", b"engine_id", "first_tokens", b"first_tokens", "free_blocks", b"free_blocks", "incarnation", b"incarnation", "reserved_unfilled_blocks", b"reserved_unfilled_blocks", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests", "write_bytes_in_flight", b"write_bytes_in_flight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015
+
+@_typing.final
+class FirstToken(_message.Message):
+    """The first output token a prefill engine sampled for a transfer. In a LoadReport the prefill
+    names the decode engine; the scheduler relays it with prefill_engine_id set to the reporting
+    (authenticated) engine, and decode takes it only from a prefill the transfer was published to.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    DECODE_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    STOPPED_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    decode_engine_id: _builtins.str
+    prefill_engine_id: _builtins.str
+    token_id: _builtins.int
+    stopped: _builtins.bool
+    """the token ended the request on prefill (EOS): nothing follows it"""
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        decode_engine_id: _builtins.str = ...,
+        prefill_engine_id: _builtins.str = ...,
+        token_id: _builtins.int = ...,
+        stopped: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "prefill_engine_id", b"prefill_engine_id", "stopped", b"stopped", "token_id", b"token_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FirstToken: _TypeAlias = FirstToken  # noqa: Y015
 
 @_typing.final
 class LoadAck(_message.Message):
@@ -1034,6 +1085,7 @@ class LoadAck(_message.Message):
 
     SEQUENCE_FIELD_NUMBER: _builtins.int
     LEG_FAILURES_FIELD_NUMBER: _builtins.int
+    FIRST_TOKENS_FIELD_NUMBER: _builtins.int
     sequence: _builtins.int
     """0 on a message that only carries leg failures"""
     @_builtins.property
@@ -1042,15 +1094,20 @@ class LoadAck(_message.Message):
         engine, undelivered prefill legs; to a prefill engine, undelivered decode legs.
         """
 
+    @_builtins.property
+    def first_tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___FirstToken]:
+        """To a decode engine: first tokens of its transfers, relayed from their prefill engines."""
+
     def __init__(
         self,
         *,
         sequence: _builtins.int = ...,
         leg_failures: _abc.Iterable[Global___LegFailure] | None = ...,
+        first_tokens: _abc.Iterable[Global___FirstToken] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["leg_failures", b"leg_failures", "sequence", b"sequence"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_tokens", b"first_tokens", "leg_failures", b"leg_failures", "sequence", b"sequence"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1114,12 +1171,18 @@ class AssignRequest(_message.Message):
     PREFIX_HINT_FIELD_NUMBER: _builtins.int
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     prefix_hint: _builtins.str
     transfer_id: _builtins.str
     """optional; minted by the scheduler when empty"""
     max_tokens: _builtins.int
     """decode output budget, for the KV projection"""
+    first_token_from_prefill: _builtins.bool
+    """Ask for the first-token hand-off: granted (Assignment.first_token_from_prefill) only when the
+    chosen decode supports it. Then the prefill leg's token is the request's first output token,
+    and the decode leg must be sent with max_tokens - 1 (docs/first_token.md).
+    """
     def __init__(
         self,
         *,
@@ -1127,10 +1190,11 @@ class AssignRequest(_message.Message):
         prefix_hint: _builtins.str = ...,
         transfer_id: _builtins.str = ...,
         max_tokens: _builtins.int = ...,
+        first_token_from_prefill: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_tokens", b"max_tokens", "prefix_hint", b"prefix_hint", "prompt_tokens", b"prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_from_prefill", b"first_token_from_prefill", "max_tokens", b"max_tokens", "prefix_hint", b"prefix_hint", "prompt_tokens", b"prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1146,8 +1210,11 @@ class Assignment(_message.Message):
     DECODE_FIELD_NUMBER: _builtins.int
     PREFILL_KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
     DECODE_KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     epoch: _builtins.int
+    first_token_from_prefill: _builtins.bool
+    """the hand-off asked for in AssignRequest was granted"""
     @_builtins.property
     def prefill(self) -> Global___InstanceInfo: ...
     @_builtins.property
@@ -1165,10 +1232,11 @@ class Assignment(_message.Message):
         decode: Global___InstanceInfo | None = ...,
         prefill_kv_transfer_params: _struct_pb2.Struct | None = ...,
         decode_kv_transfer_params: _struct_pb2.Struct | None = ...,
+        first_token_from_prefill: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_kv_transfer_params", b"decode_kv_transfer_params", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_kv_transfer_params", b"decode_kv_transfer_params", "epoch", b"epoch", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_kv_transfer_params", b"decode_kv_transfer_params", "epoch", b"epoch", "first_token_from_prefill", b"first_token_from_prefill", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

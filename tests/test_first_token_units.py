@@ -1,0 +1,269 @@
+"""First-token hand-off, the parts that need no running engine: the leg field, the decode
+scheduler-half taking relayed tokens (on vLLM's own ``Request``), and the decode worker holding a
+landed transfer until its token came."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from vllm import SamplingParams
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.utils.hashing import sha256
+from vllm.v1.request import Request
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.sampler_state import WORKER_QUALNAME
+from kvpush.connector.schedulers import DecodeScheduler, append_first_token
+from kvpush.connector.workers import DecodeWorker
+from kvpush.services.common import transfer_params
+from kvpush.services.common.transfer_params import DecodeLeg, LegError, PrefillLeg, canonical_bytes, to_params
+from kvpush.services.decode_agent.barrier import Outcome, Released
+from kvpush.v1 import kvpush_pb2 as pb
+
+BLOCK = 16
+
+
+def _vllm(worker_cls: str = WORKER_QUALNAME, policy: str = "fail", vocab: int = 1000) -> Any:
+    return SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, worker_cls=worker_cls),
+        kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy),
+        model_config=SimpleNamespace(get_vocab_size=lambda: vocab),
+    )
+
+
+def _request(rid: str, prompt: list[int], leg: DecodeLeg | None, seed: int | None = None) -> Request:
+    init_none_hash(sha256)
+    extra = {"kv_transfer_params": to_params(leg)} if leg is not None else None
+    sp = SamplingParams(max_tokens=8, temperature=1.0 if seed is not None else 0.0, seed=seed, extra_args=extra)
+    return Request(rid, list(prompt), sp, None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+
+
+class _Agent:
+    """What the decode scheduler asks of its agent; ``prefill`` is the transfer's current prefill."""
+
+    def __init__(self, prefill: str = "p0") -> None:
+        self.prefill = prefill
+        self.cancelled: list[str] = []
+
+    def reserve(self, tid: str, rid: str, leg: DecodeLeg, *a: Any, **kw: Any) -> int:
+        return 1
+
+    def prefill_of(self, tid: str) -> str | None:
+        return self.prefill
+
+    def cancel(self, tid: str, reason: str, epoch: int | None = None) -> None:
+        self.cancelled.append(tid)
+
+    def finished(self, tid: str, epoch: int) -> None:
+        pass
+
+
+class _Blocks:
+    def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
+        return [[1, 2]]
+
+    def get_block_ids(self) -> list[list[int]]:
+        return [[1, 2]]
+
+
+def _leg(tid: str = "t", first_token: bool = True) -> DecodeLeg:
+    return DecodeLeg(tid, 1, "p0", "", 1, ["127.0.0.1:1"], first_token=first_token)
+
+
+def _decode(**kw: Any) -> tuple[DecodeScheduler, _Agent]:
+    s = DecodeScheduler(ConnectorConfig(engine_id="d0", role="decode", insecure=True), _vllm(**kw))
+    agent = _Agent()
+    s.agent = agent  # type: ignore[assignment]
+    return s, agent
+
+
+def _step(s: DecodeScheduler, new: tuple[str, ...] = ()) -> Any:
+    return s.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new]))
+
+
+def _token(tid: str = "t", token: int = 7, prefill: str = "p0") -> pb.FirstToken:
+    return pb.FirstToken(transfer_id=tid, decode_engine_id="d0", prefill_engine_id=prefill, token_id=token)
+
+
+# ----- the leg ----------------------------------------------------------------------------------
+
+
+def test_first_token_is_a_strict_bool_and_signed_only_when_set() -> None:
+    for leg in (_leg(), PrefillLeg("t", "d0", first_token=True)):
+        parsed = transfer_params.parse(to_params(leg))
+        assert parsed is not None and parsed.first_token
+        raw = to_params(leg)
+        raw["kvpush"]["first_token"] = 1
+        with pytest.raises(LegError, match="first_token must be a boolean"):
+            transfer_params.parse(raw)
+    off = to_params(_leg(first_token=False))["kvpush"]
+    without = {k: v for k, v in off.items() if k != "first_token"}
+    # A leg without the hand-off signs exactly as before the field existed; one with it differs.
+    assert canonical_bytes(off) == canonical_bytes(without)
+    assert canonical_bytes(to_params(_leg())["kvpush"]) != canonical_bytes(off)
+
+
+# ----- decode scheduler-half ----------------------------------------------------------------------
+
+
+def test_appended_token_becomes_the_last_prompt_token() -> None:
+    r = _request("r", list(range(3, 3 + 2 * BLOCK - 1)), _leg())  # one short of two blocks
+    shared = r.prompt_token_ids
+    assert len(r.block_hashes) == 1
+    append_first_token(r, 99)
+    assert r.prompt_token_ids is shared and shared[-1] == 99  # the list vLLM gives the workers
+    assert r.num_prompt_tokens == r.num_tokens == 2 * BLOCK and list(r.all_token_ids)[-1] == 99
+    assert r.num_output_tokens == 0
+    assert len(r.block_hashes) == 2  # the block it completed is hashed with it
+
+
+def test_relayed_token_is_appended_before_the_kv_is_released() -> None:
+    s, _ = _decode()
+    r = _request("r", list(range(3, 40)), _leg())
+    s._first_tokens([_token(token=7)])  # before the reservation: waits
+    assert _step(s).first_token_delivered == []
+    assert s.get_num_new_matched_tokens(r, 0) == (37, True)
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    meta = _step(s)
+    assert meta.awaiting_first_token == ["r"] and meta.first_token_delivered == ["r"]
+    assert r.prompt_token_ids[-1] == 7 and r.num_prompt_tokens == 38
+    # Exactly once: a second relay (say, a rerouted prefill's) changes nothing.
+    s._first_tokens([_token(token=8)])
+    assert _step(s).first_token_delivered == [] and r.num_prompt_tokens == 38
+    assert not s._advance  # greedy: no sampler to advance
+
+
+@pytest.mark.parametrize(
+    ("token", "why"),
+    [(_token(prefill="p9"), "another prefill"), (_token(token=1000), "out of the vocabulary")],
+)
+def test_a_token_decode_cannot_trust_is_never_appended(token: pb.FirstToken, why: str) -> None:
+    s, _ = _decode()
+    r = _request("r", list(range(3, 40)), _leg())
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    s._first_tokens([token])
+    assert _step(s).first_token_delivered == [], why
+    assert r.num_prompt_tokens == 37 and "r" in s._want_token
+
+
+def test_a_rerouted_transfer_takes_its_new_prefills_token() -> None:
+    s, agent = _decode()
+    r = _request("r", list(range(3, 40)), _leg())
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    agent.prefill = "p1"
+    s._first_tokens([_token(prefill="p1", token=5)])
+    assert _step(s).first_token_delivered == ["r"] and r.prompt_token_ids[-1] == 5
+
+
+def test_a_seeded_request_advances_its_sampler_in_its_first_step() -> None:
+    s, _ = _decode()
+    r = _request("r", list(range(3, 40)), _leg(), seed=11)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    s._first_tokens([_token()])
+    assert _step(s).advance_sampler == []  # delivered, not scheduled yet
+    assert _step(s, new=("other",)).advance_sampler == []
+    assert _step(s, new=("r",)).advance_sampler == ["r"]
+    assert _step(s, new=("r",)).advance_sampler == []  # once
+
+
+def test_a_request_ending_while_waiting_for_its_token_is_abandoned() -> None:
+    s, agent = _decode()
+    r = _request("r", list(range(3, 40)), _leg())
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    _step(s)
+    s.request_finished(r)
+    assert _step(s).first_token_abandoned == ["r"]
+    assert agent.cancelled == ["t"]  # not received yet: the usual cancel path
+
+
+@pytest.mark.parametrize("kw", [{"policy": "recompute"}, {"worker_cls": "auto"}])
+def test_a_decode_that_cannot_continue_from_the_token_refuses_the_leg(kw: dict[str, Any]) -> None:
+    """Not offered at registration; a leg that asks anyway fails (its frontend would repeat the
+    token), it is never served as if the token did not exist."""
+    s, agent = _decode(**kw)
+    assert s._handoff_problem is not None
+    r = _request("r", list(range(3, 40)), _leg())
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    assert agent.cancelled == ["t"] and _step(s).awaiting_first_token == []
+
+
+def test_legs_without_the_handoff_wait_for_nothing() -> None:
+    s, _ = _decode()
+    r = _request("r", list(range(3, 40)), _leg(first_token=False))
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    assert _step(s).awaiting_first_token == []
+
+
+# ----- decode worker ------------------------------------------------------------------------------
+
+
+class _Rank:
+    def __init__(self) -> None:
+        self.released: list[Released] = []
+
+    def take_released(self) -> list[Released]:
+        out, self.released = self.released, []
+        return out
+
+
+def _worker(wait_s: float = 30.0) -> tuple[DecodeWorker, _Rank]:
+    w = DecodeWorker(ConnectorConfig(engine_id="d0", role="decode", insecure=True, first_token_wait_s=wait_s), "m")
+    rank = _Rank()
+    w.rank = rank  # type: ignore[assignment]
+    return w, rank
+
+
+def _meta(**kw: Any) -> Any:
+    from kvpush.connector.messages import PushMetadata
+
+    return PushMetadata(**kw)
+
+
+def _released(rid: str, outcome: Outcome = Outcome.OK) -> Released:
+    return Released("t-" + rid, 1, rid, outcome, "")
+
+
+def test_worker_releases_a_landed_transfer_only_with_its_token() -> None:
+    w, rank = _worker()
+    w.wait_for_save(_meta(awaiting_first_token=["a", "b"]))
+    rank.released = [_released("a"), _released("b"), _released("c")]
+    out = w.transfer_results()
+    assert out.finished_recving == {"c"}  # a and b wait for their tokens
+    w.wait_for_save(_meta(first_token_delivered=["a"]))
+    out = w.transfer_results()
+    assert out.finished_recving == {"a"} and not out.failed_recving
+    # Token first, KV after: released at once.
+    w.wait_for_save(_meta(awaiting_first_token=["d"]))
+    w.wait_for_save(_meta(first_token_delivered=["d"]))
+    rank.released = [_released("d")]
+    assert w.transfer_results().finished_recving == {"d"}
+    # Ended while waiting: reported (vLLM frees its blocks), as failed only if the load failed.
+    w.wait_for_save(_meta(first_token_abandoned=["b"]))
+    out = w.transfer_results()
+    assert out.finished_recving == {"b"} and not out.failed_recving
+
+
+def test_worker_fails_a_transfer_whose_token_never_came() -> None:
+    w, rank = _worker(wait_s=0.0)
+    w.wait_for_save(_meta(awaiting_first_token=["a"]))
+    rank.released = [_released("a")]
+    assert w.transfer_results().finished_recving == set()  # held until the deadline passes
+    out = w.transfer_results()
+    assert out.finished_recving == {"a"} and out.failed_recving == {"a"}
+    assert not w._held and not w._needs_token
+
+
+def test_worker_reports_a_failed_load_at_once_even_without_its_token() -> None:
+    w, rank = _worker()
+    w.wait_for_save(_meta(awaiting_first_token=["a"]))
+    rank.released = [_released("a", Outcome.FAILED)]
+    out = w.transfer_results()
+    assert out.finished_recving == {"a"} and out.failed_recving == {"a"}
