@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 from vllm import SamplingParams
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from kvpush.connector.config import ConnectorConfig
