@@ -181,6 +181,89 @@ def test_round_robin_proxy_alternates_in_request_order() -> None:
     ]
 
 
+class _FakePD:
+    """A client for the P/D proxies: records P's non-streaming legs and D's streaming leg."""
+
+    def __init__(self) -> None:
+        self.once_calls: list[tuple[str, int, dict[str, Any] | None]] = []
+        self.stream_calls: list[tuple[str, int, dict[str, Any] | None]] = []
+
+    async def once(self, url: str, prompt: list[int], max_tokens: int, params: Any, rid: str) -> dict[str, Any]:
+        self.once_calls.append((url, max_tokens, params))
+        return {"kv_transfer_params": {"from": "p"}}
+
+    async def stream(self, url: str, prompt: list[int], max_tokens: int, params: Any, rid: str, s: Sample) -> None:
+        self.stream_calls.append((url, max_tokens, params))
+        s.ok = True
+
+
+@pytest.mark.parametrize("kind", ["pull", "push"])
+def test_pd_proxies_send_one_prefill_token_and_stream_the_requested_length(kind: str) -> None:
+    c = _FakePD()
+    if kind == "pull":
+        proxy = sv.pull_proxy(c, "http://p", "http://d")  # type: ignore[arg-type]
+    else:
+        proxy = sv.push_proxy(c, "http://p", "http://d", "engine-p", "127.0.0.1", 5600, 1)  # type: ignore[arg-type]
+    s = Sample(ok=False, sent=0.0)
+    asyncio.run(proxy([1, 2, 3], 128, s))
+    assert s.ok
+    [(p_url, p_tokens, p_params)] = c.once_calls
+    [(d_url, d_tokens, d_params)] = c.stream_calls
+    assert (p_url, p_tokens, d_url, d_tokens) == ("http://p", 1, "http://d", 128)
+    assert p_params is not None and p_params["do_remote_decode"] is True
+    if kind == "pull":
+        assert d_params == {"from": "p"}  # P's returned params, after P finished
+    else:
+        assert d_params is not None and d_params["remote_engine_id"] == "engine-p"
+
+
+def test_ours_and_grpc_proxies_pass_the_output_length() -> None:
+    from google.protobuf.struct_pb2 import Struct
+
+    from kvpush.v1 import kvpush_pb2 as pb
+
+    class Stub:
+        def __init__(self) -> None:
+            self.assigned: list[int] = []
+            self.released: list[int] = []
+            self.generated: list[int] = []
+
+        async def Assign(self, req: Any, timeout: float) -> Any:  # the gRPC method names
+            self.assigned.append(req.max_tokens)
+            params = Struct()
+            params.update({"k": "v"})
+            return pb.Assignment(
+                transfer_id="t1",
+                epoch=3,
+                prefill=pb.InstanceInfo(http_endpoint="http://p"),
+                decode=pb.InstanceInfo(http_endpoint="http://d"),
+                prefill_kv_transfer_params=params,
+                decode_kv_transfer_params=params,
+            )
+
+        async def Release(self, req: Any, timeout: float) -> Any:
+            self.released.append(req.outcome)
+            return pb.ReleaseResponse()
+
+        async def _gen(self, n: int) -> Any:
+            for i in range(n):
+                yield pb.GenerateResponse(transfer_id="t2", token_ids=[i])
+
+        def Generate(self, req: Any, timeout: float) -> Any:
+            self.generated.append(req.max_tokens)
+            return self._gen(req.max_tokens)
+
+    c, stub = _FakePD(), Stub()
+    s = Sample(ok=False, sent=0.0)
+    asyncio.run(sv.ours_proxy(c, stub)([1, 2], 128, s))  # type: ignore[arg-type]
+    assert stub.assigned == [128] and stub.released == [pb.OUTCOME_OK] and s.transfer_id == "t1"
+    assert [x[:2] for x in c.once_calls] == [("http://p", 1)]
+    assert [x[:2] for x in c.stream_calls] == [("http://d", 128)]
+    g = Sample(ok=False, sent=0.0)
+    asyncio.run(sv.grpc_proxy(stub)([1, 2], 16, g))
+    assert stub.generated == [16] and g.ok and g.tokens == 16 and g.transfer_id == "t2"
+
+
 # ----- the sweep and the flags ------------------------------------------------------------------------
 
 
