@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     async def run(c: PDCluster) -> dict[str, list[tuple[float, float]]]:
         assert c.baseline is not None
         res: dict[str, list[tuple[float, float]]] = {"single": [], "kvpush": [], "kvpush_generate": []}
-        client = Client(args.max_tokens, request_timeout_s=120)
+        client = Client(request_timeout_s=120)
         try:
             for i in range(args.n + 2):
                 prompt = [(7919 * i + 31 * j) % 1000 + 3 for j in range(args.prompt)]

@@ -2,7 +2,10 @@
 
 Setups, one after another on the same machine, with the same token-id prompts:
 
-* ``single``: one plain vLLM (reference); also run with ``max_tokens=1`` for the prefill-only TTFT.
+* ``single``: one plain vLLM (reference); also run with ``max_tokens=1`` for the prefill-only TTFT,
+  and with a few sequential requests per prompt length for the unloaded latency the SLOs derive from.
+* ``two_plain``: two plain vLLM instances, one per core (P's and D's), behind a round-robin proxy:
+  the honest alternative to 1P1D on the same two cores.
 * ``pull``: vLLM's ``NixlConnector`` behind a sequential proxy (P with ``max_tokens=1`` and
   ``do_remote_decode``, then D with P's returned ``kv_transfer_params``; vLLM's toy proxy).
 * ``push``: vLLM's ``NixlPushConnector`` behind a concurrent proxy (both legs at once with P's
@@ -16,12 +19,20 @@ same client overhead. Arrivals are Poisson; every request has a fresh random pro
 is off; outputs are ``max_tokens`` greedy tokens with ``ignore_eos``. Prefill and decode get one
 core each (their process trees are pinned after start-up); the single instance runs alone.
 
+Every prompt length and rate is swept once per output length (``--output-lens``, default short
+16 and long 128 tokens) on the same servers.
+
 Per setup and point: TTFT and TPOT p50/p99, request throughput, and the hand-off overhead
 ``TTFT p50 - prefill-only TTFT p50 - single-instance TPOT p50``, beside the KV bytes per request and
-the time of one single-descriptor NIXL WRITE of those bytes (measured in the same run). Writes
-``bench-results/serving.json``, ``serving.md`` (also printed) and PNG plots.
+the time of one single-descriptor NIXL WRITE of those bytes (measured in the same run). Goodput
+(DistServe's measure): the requests per second that meet both SLOs (TTFT <= ``--slo-ttft-ms`` and
+the request's mean TPOT <= ``--slo-tpot-ms``; by default ``--slo-scale`` times the single instance's
+unloaded TTFT / TPOT p50 at that prompt length), the fraction that meets them, and per setup the
+highest rate up to which >= 90 % of requests meet them. Writes ``bench-results/serving.json``,
+``serving.md`` (also printed) and PNG plots.
 
-Usage: ``python -m benchmarks.serving [--quick] [--prompt-lens 512,1024,2048] [--rates ...]``.
+Usage: ``python -m benchmarks.serving [--quick] [--prompt-lens 512,1024,2048] [--output-lens 16,128]
+[--rates ...] [--setups ...] [--slo-scale 3 | --slo-ttft-ms T --slo-tpot-ms T]``.
 """
 
 from __future__ import annotations
@@ -39,17 +50,19 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-SETUPS = ("single", "pull", "push", "ours", "ours_grpc")
+SETUPS = ("single", "two_plain", "pull", "push", "ours", "ours_grpc")  # result names, report order
 PAIRS = ("pull", "push", "ours")  # P/D pairs to start; ``ours`` serves ``ours`` and ``ours_grpc``
+KINDS = ("single", "two_plain", *PAIRS)  # what ``--setups`` names
 LABELS = {
     "single": "single instance",
+    "two_plain": "two plain instances (one per core), round-robin proxy",
     "prefill_only": "single, max_tokens=1",
     "pull": "vLLM NixlConnector (pull), sequential proxy",
     "push": "vLLM NixlPushConnector, concurrent proxy",
@@ -61,6 +74,7 @@ GOAL_TTFT_VS_PULL = 0.4
 GOAL_TPOT_VS_PUSH = 1.0
 GOAL_HANDOFF_VS_NIXL = 1.2
 SUSTAINED = 0.9  # a point is sustained when throughput >= 0.9 x offered rate and nothing failed
+SLO_ATTAINMENT = 0.9  # goodput summary: the highest rate up to which >= 90 % of requests meet the SLOs
 
 _KV_RE = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s]+)")
 
@@ -102,10 +116,11 @@ class Point:
     prompt_len: int
     rate: float  # offered requests per second (Poisson)
     requests: int
+    max_tokens: int = 16  # output tokens per request
 
     @property
     def key(self) -> str:
-        return f"L{self.prompt_len}_r{self.rate:g}"
+        return f"L{self.prompt_len}_o{self.max_tokens}_r{self.rate:g}"
 
 
 @dataclass
@@ -139,6 +154,16 @@ class PointResult:
     phases: dict[str, Any] = field(default_factory=dict)
     load1: float = math.nan  # 1-minute load average at the end of the point
     foreign_vllm: int = 0  # vLLM processes on this machine that are not ours (shared machine)
+    max_tokens: int = 16
+    # Per request, in arrival order (NaN: failed; TPOT NaN also for one-token outputs): goodput input.
+    req_ttft_ms: list[float] = field(default_factory=list)
+    req_tpot_ms: list[float] = field(default_factory=list)
+    # Filled by ``apply_slo`` once the SLOs are known (NaN: no SLO, e.g. no ``single`` run).
+    slo_ttft_ms: float = math.nan
+    slo_tpot_ms: float = math.nan
+    slo_met: int = 0  # requests that met both SLOs
+    slo_attainment: float = math.nan  # slo_met / requests (failed requests count as missed)
+    goodput_rps: float = math.nan  # slo_met / duration_s
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -165,7 +190,113 @@ def summarize(setup: str, point: Point, samples: list[Sample]) -> PointResult:
         throughput_rps=tput,
         duration_s=duration,
         sustained=len(good) == len(samples) and tput >= SUSTAINED * point.rate,
+        max_tokens=point.max_tokens,
+        req_ttft_ms=[s.ttft * 1e3 if s.ok else math.nan for s in samples],
+        req_tpot_ms=[s.tpot * 1e3 if s.ok else math.nan for s in samples],
     )
+
+
+# ----- goodput -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Slo:
+    """Per-request service-level objectives: TTFT and the request's mean TPOT, both in ms."""
+
+    ttft_ms: float
+    tpot_ms: float
+
+
+def meets_slo(ttft_ms: float | None, tpot_ms: float | None, slo: Slo) -> bool:
+    """One request: TTFT <= the TTFT target and its mean TPOT <= the TPOT target. A failed request
+    (TTFT NaN or None) misses; a one-token output (no TPOT) is judged on its TTFT alone."""
+    if ttft_ms is None or math.isnan(ttft_ms) or ttft_ms > slo.ttft_ms:
+        return False
+    return tpot_ms is None or math.isnan(tpot_ms) or tpot_ms <= slo.tpot_ms
+
+
+def goodput(
+    req_ttft_ms: Sequence[float | None], req_tpot_ms: Sequence[float | None], duration_s: float, slo: Slo
+) -> tuple[int, float, float]:
+    """(requests meeting both SLOs, their fraction of all requests, their number per second of the
+    point's duration). Failed requests count in the denominator of the fraction."""
+    if len(req_ttft_ms) != len(req_tpot_ms):
+        raise ValueError("one TTFT and one TPOT per request")
+    met = sum(meets_slo(a, b, slo) for a, b in zip(req_ttft_ms, req_tpot_ms, strict=True))
+    fraction = met / len(req_ttft_ms) if req_ttft_ms else math.nan
+    rps = met / duration_s if met and duration_s > 0 else 0.0  # NaN duration (nothing ok): 0
+    return met, fraction, rps
+
+
+def max_rate_meeting(points: Sequence[tuple[float, float]], target: float = SLO_ATTAINMENT) -> float | None:
+    """DistServe's goodput over a rate sweep: the highest offered rate up to which every measured
+    rate kept SLO attainment >= ``target`` (a pass above a failing rate is noise, not capacity).
+    ``points``: (rate, attainment); None when even the lowest rate missed."""
+    best = None
+    for rate, attainment in sorted(points):
+        if math.isnan(attainment) or attainment < target:
+            break
+        best = rate
+    return best
+
+
+def slos_for(
+    lengths: Sequence[int],
+    unloaded: dict[int, dict[str, float]],
+    scale: float,
+    ttft_ms: float = 0.0,
+    tpot_ms: float = 0.0,
+) -> dict[int, Slo | None]:
+    """Per prompt length: a fixed target where given (> 0), else ``scale`` x the single instance's
+    unloaded p50 at that length; None where neither is known."""
+    out: dict[int, Slo | None] = {}
+    for length in lengths:
+        base = unloaded.get(length, {})
+        t = ttft_ms if ttft_ms > 0 else scale * base.get("ttft_ms", math.nan)
+        p = tpot_ms if tpot_ms > 0 else scale * base.get("tpot_ms", math.nan)
+        out[length] = None if math.isnan(t) or math.isnan(p) else Slo(t, p)
+    return out
+
+
+def apply_slo(results: dict[str, list[PointResult]], slos: dict[int, Slo | None]) -> None:
+    """Fills each point's SLO fields (not the prefill-only reference, which has no decode)."""
+    for name, rs in results.items():
+        if name == "prefill_only":
+            continue
+        for r in rs:
+            slo = slos.get(r.prompt_len)
+            if slo is None:
+                continue
+            r.slo_ttft_ms, r.slo_tpot_ms = slo.ttft_ms, slo.tpot_ms
+            r.slo_met, r.slo_attainment, r.goodput_rps = goodput(r.req_ttft_ms, r.req_tpot_ms, r.duration_s, slo)
+
+
+def goodput_summary(results: dict[str, list[PointResult]], target: float = SLO_ATTAINMENT) -> list[dict[str, Any]]:
+    """Per prompt length and output length: each setup's highest rate at >= ``target`` attainment,
+    its goodput there, and its best goodput over the sweep."""
+    rows = []
+    keys = sorted({(r.prompt_len, r.max_tokens) for n, rs in results.items() if n != "prefill_only" for r in rs})
+    for length, out in keys:
+        row: dict[str, Any] = {"prompt_len": length, "max_tokens": out, "attainment_target": target, "setups": {}}
+        for name in SETUPS:
+            rs = sorted(
+                (r for r in results.get(name, []) if (r.prompt_len, r.max_tokens) == (length, out)),
+                key=lambda r: r.rate,
+            )
+            if not rs or math.isnan(rs[0].slo_ttft_ms):
+                continue
+            row["slo_ttft_ms"], row["slo_tpot_ms"] = rs[0].slo_ttft_ms, rs[0].slo_tpot_ms
+            best = max_rate_meeting([(r.rate, r.slo_attainment) for r in rs], target)
+            at = next((r for r in rs if r.rate == best), None)
+            row["setups"][name] = {
+                "max_rate": best,
+                "goodput_rps_at_max_rate": at.goodput_rps if at else math.nan,
+                "best_goodput_rps": max(r.goodput_rps for r in rs),
+                "rates": [r.rate for r in rs],
+                "attainment": [r.slo_attainment for r in rs],
+            }
+        rows.append(row)
+    return rows
 
 
 def prompts_for(point: Point, vocab: int, seed: int) -> list[list[int]]:
@@ -188,10 +319,9 @@ def arrivals_for(point: Point, seed: int) -> list[float]:
 class Client:
     """One aiohttp session for every setup, and the streaming completion that takes the timings."""
 
-    def __init__(self, max_tokens: int, request_timeout_s: float) -> None:
+    def __init__(self, request_timeout_s: float) -> None:
         import aiohttp
 
-        self.max_tokens = max_tokens
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, connect=10)
         self.session = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0))
         self.models: dict[str, str] = {}
@@ -272,12 +402,37 @@ def record(s: Sample, first: float, last: float, n: int, want: int) -> None:
     s.ok = True
 
 
-Proxy = Callable[[list[int], Sample], Awaitable[None]]
+Proxy = Callable[[list[int], int, Sample], Awaitable[None]]  # (prompt, max_tokens, sample)
 
 
-def single_proxy(c: Client, url: str, max_tokens: int) -> Proxy:
-    async def run(prompt: list[int], s: Sample) -> None:
+def single_proxy(c: Client, url: str) -> Proxy:
+    async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
         await c.stream(url, prompt, max_tokens, None, uuid.uuid4().hex, s)
+
+    return run
+
+
+class RoundRobin:
+    """Backend selection of the ``two_plain`` proxy: 0, 1, ..., n-1, 0, ... in request order."""
+
+    def __init__(self, n: int) -> None:
+        if n < 1:
+            raise ValueError("round robin over no backends")
+        self.n = n
+        self._next = 0
+
+    def pick(self) -> int:
+        i = self._next
+        self._next = (i + 1) % self.n
+        return i
+
+
+def round_robin_proxy(c: Client, urls: Sequence[str]) -> Proxy:
+    """Each request streams from the next plain instance in turn (picked when it is sent)."""
+    rr = RoundRobin(len(urls))
+
+    async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
+        await c.stream(urls[rr.pick()], prompt, max_tokens, None, uuid.uuid4().hex, s)
 
     return run
 
@@ -285,7 +440,7 @@ def single_proxy(c: Client, url: str, max_tokens: int) -> Proxy:
 def pull_proxy(c: Client, p_url: str, d_url: str) -> Proxy:
     """vLLM's toy proxy: P (max_tokens=1, do_remote_decode) first, then D with P's params."""
 
-    async def run(prompt: list[int], s: Sample) -> None:
+    async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
         rid = uuid.uuid4().hex
         p_params = {
             "do_remote_decode": True,
@@ -299,7 +454,7 @@ def pull_proxy(c: Client, p_url: str, d_url: str) -> Proxy:
         params = resp.get("kv_transfer_params")
         if not params:
             raise RuntimeError("prefill returned no kv_transfer_params")
-        await c.stream(d_url, prompt, c.max_tokens, params, rid, s)
+        await c.stream(d_url, prompt, max_tokens, params, rid, s)
 
     return run
 
@@ -307,7 +462,7 @@ def pull_proxy(c: Client, p_url: str, d_url: str) -> Proxy:
 def push_proxy(c: Client, p_url: str, d_url: str, p_engine: str, p_host: str, p_port: int, tp: int) -> Proxy:
     """vLLM's push demo proxy: both legs at once, D told P's coordinates, the same X-Request-Id."""
 
-    async def run(prompt: list[int], s: Sample) -> None:
+    async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
         rid = uuid.uuid4().hex
         p_params = {
             "do_remote_decode": True,
@@ -328,7 +483,7 @@ def push_proxy(c: Client, p_url: str, d_url: str, p_engine: str, p_host: str, p_
             "pp_size": 1,
             "remote_block_ids": None,
         }
-        await both_legs(c, p_url, d_url, prompt, p_params, d_params, rid, s)
+        await both_legs(c, p_url, d_url, prompt, max_tokens, p_params, d_params, rid, s)
 
     return run
 
@@ -338,6 +493,7 @@ async def both_legs(
     p_url: str,
     d_url: str,
     prompt: list[int],
+    max_tokens: int,
     p_params: dict[str, Any],
     d_params: dict[str, Any],
     rid: str,
@@ -345,7 +501,7 @@ async def both_legs(
 ) -> None:
     prefill = asyncio.create_task(c.once(p_url, prompt, 1, p_params, rid))
     try:
-        await c.stream(d_url, prompt, c.max_tokens, d_params, rid, s)
+        await c.stream(d_url, prompt, max_tokens, d_params, rid, s)
         await prefill
     finally:
         if not prefill.done():
@@ -354,13 +510,13 @@ async def both_legs(
             await prefill  # also retrieves a failure of P when D failed first
 
 
-def ours_proxy(c: Client, stub: Any, max_tokens: int) -> Proxy:
+def ours_proxy(c: Client, stub: Any) -> Proxy:
     """Our scheduler's Assign, then both legs at once with its parameters, then Release."""
     from google.protobuf.json_format import MessageToDict
 
     from kvpush.v1 import kvpush_pb2 as pb
 
-    async def run(prompt: list[int], s: Sample) -> None:
+    async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
         rid = uuid.uuid4().hex
         a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=max_tokens), timeout=30)
         s.transfer_id = a.transfer_id
@@ -371,6 +527,7 @@ def ours_proxy(c: Client, stub: Any, max_tokens: int) -> Proxy:
                 a.prefill.http_endpoint,
                 a.decode.http_endpoint,
                 prompt,
+                max_tokens,
                 MessageToDict(a.prefill_kv_transfer_params),
                 MessageToDict(a.decode_kv_transfer_params),
                 rid,
@@ -386,10 +543,10 @@ def ours_proxy(c: Client, stub: Any, max_tokens: int) -> Proxy:
     return run
 
 
-def grpc_proxy(stub: Any, max_tokens: int) -> Proxy:
+def grpc_proxy(stub: Any) -> Proxy:
     from kvpush.v1 import kvpush_pb2 as pb
 
-    async def run(prompt: list[int], s: Sample) -> None:
+    async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
         req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         first = last = 0.0
         n = 0
@@ -405,7 +562,9 @@ def grpc_proxy(stub: Any, max_tokens: int) -> Proxy:
     return run
 
 
-async def run_point(proxy: Proxy, prompts: list[list[int]], arrivals: list[float], timeout_s: float) -> list[Sample]:
+async def run_point(
+    proxy: Proxy, prompts: list[list[int]], arrivals: list[float], max_tokens: int, timeout_s: float
+) -> list[Sample]:
     """Poisson-timed requests; each bounded by ``timeout_s``."""
     samples = [Sample(ok=False, sent=math.nan) for _ in prompts]
     t0 = time.monotonic() + 0.05
@@ -416,7 +575,7 @@ async def run_point(proxy: Proxy, prompts: list[list[int]], arrivals: list[float
         s.sent = time.monotonic()
         s.sent_wall = time.time()
         try:
-            await asyncio.wait_for(proxy(prompts[i], s), timeout_s)
+            await asyncio.wait_for(proxy(prompts[i], max_tokens, s), timeout_s)
         except Exception as exc:  # recorded per request; the point goes on
             s.ok = False
             s.error = f"{type(exc).__name__}: {exc}"[:300]
@@ -488,6 +647,8 @@ class Harness:
         self.d_core = args.decode_core if args.decode_core is not None else on[-1]
         self.shim = affinity_shim(self.run_dir)
         self.log = sys.stderr
+        # The single instance's unloaded latency per prompt length (``unloaded``): the SLOs' base.
+        self.unloaded: dict[int, dict[str, float]] = {}
 
     def note(self, msg: str) -> None:
         self.log.write(f"[serving {time.strftime('%H:%M:%S')}] {msg}\n")
@@ -534,6 +695,21 @@ class Harness:
             yield srv
         finally:
             srv.stop()
+
+    @contextlib.contextmanager
+    def two_plain(self) -> Iterator[list[Any]]:
+        """Two plain instances started side by side, one on P's core (with P's environment) and one
+        on D's (with D's)."""
+        servers = [
+            (self.server("two_plain-0", self.p_core, None, _env_pairs(self.args.prefill_env)), self.p_core),
+            (self.server("two_plain-1", self.d_core, None, _env_pairs(self.args.decode_env)), self.d_core),
+        ]
+        try:
+            self.start(servers)
+            yield [srv for srv, _ in servers]
+        finally:
+            for srv, _ in servers:
+                srv.stop()
 
     @contextlib.contextmanager
     def pair(self, kind: str) -> Iterator[Pair]:
@@ -752,13 +928,23 @@ def raw_nixl_times(sizes: list[int], reps: int, core: int | None) -> dict[int, d
 
 
 def points(args: argparse.Namespace) -> list[Point]:
+    """Every prompt length x rate, once per output length (shortest output first)."""
     out = []
-    for length in args.prompt_lens:
-        rates = args.rates or [r * args.rate_scale / length for r in args.rate_units]
-        for rate in rates:
-            n = max(args.min_requests, min(args.requests, int(round(rate * args.max_point_s))))
-            out.append(Point(length, round(rate, 3), n))
+    for max_tokens in args.output_lens:
+        for length in args.prompt_lens:
+            rates = args.rates or [r * args.rate_scale / length for r in args.rate_units]
+            for rate in rates:
+                n = max(args.min_requests, min(args.requests, int(round(rate * args.max_point_s))))
+                out.append(Point(length, round(rate, 3), n, max_tokens))
     return out
+
+
+def prefill_only_points(pts: Sequence[Point]) -> list[Point]:
+    """One ``max_tokens=1`` point per prompt length and rate (same prompts and arrivals)."""
+    seen: dict[tuple[int, float], Point] = {}
+    for pt in pts:
+        seen.setdefault((pt.prompt_len, pt.rate), replace(pt, max_tokens=1))
+    return list(seen.values())
 
 
 async def measure(
@@ -769,7 +955,9 @@ async def measure(
     for pt in pts:
         offs = (_size(logs[0]), _size(logs[1])) if logs else (0, 0)
         t0 = time.monotonic()
-        samples = await run_point(proxy, prompts_for(pt, h.model.vocab, a.seed), arrivals_for(pt, a.seed), a.timeout)
+        samples = await run_point(
+            proxy, prompts_for(pt, h.model.vocab, a.seed), arrivals_for(pt, a.seed), pt.max_tokens, a.timeout
+        )
         r = summarize(name, pt, samples)
         r.load1 = os.getloadavg()[0]
         r.foreign_vllm = foreign_vllm_processes()
@@ -778,7 +966,7 @@ async def measure(
             r.phases = phase_stats(logs[0], logs[1], *offs, samples)
         res.append(r)
         h.note(
-            f"{name:>12} L={pt.prompt_len} rate={pt.rate:g}/s n={pt.requests}: ok={r.ok} "
+            f"{name:>12} L={pt.prompt_len} out={pt.max_tokens} rate={pt.rate:g}/s n={pt.requests}: ok={r.ok} "
             f"TTFT p50={r.ttft_p50_ms:.1f} p99={r.ttft_p99_ms:.1f} ms TPOT p50={r.tpot_p50_ms:.2f} ms "
             f"{r.throughput_rps:.2f} req/s ({time.monotonic() - t0:.0f} s, load {r.load1:.1f}, "
             f"foreign vLLM procs {r.foreign_vllm}){' ' + r.errors[0] if r.errors else ''}"
@@ -791,28 +979,66 @@ async def warm_up(proxy: Proxy, h: Harness) -> None:
     """A few sequential then concurrent requests: handshakes, first-call allocations."""
     rng = np.random.default_rng(h.args.seed + 99)
     length = min(h.args.prompt_lens)
+    out = min(h.args.output_lens)
     for i in range(h.args.warmup):
         prompt = [int(t) for t in rng.integers(10, h.model.vocab - 10, size=length)]
         s = Sample(ok=False, sent=time.monotonic())
         try:
-            await asyncio.wait_for(proxy(prompt, s), h.args.timeout * (3 if i == 0 else 1))
+            await asyncio.wait_for(proxy(prompt, out, s), h.args.timeout * (3 if i == 0 else 1))
         except Exception as exc:
             h.note(f"warm-up request {i} failed: {type(exc).__name__}: {exc}")
     prompts = [[int(t) for t in rng.integers(10, h.model.vocab - 10, size=length)] for _ in range(4)]
-    await run_point(proxy, prompts, [0.0, 0.01, 0.02, 0.03], h.args.timeout)
+    await run_point(proxy, prompts, [0.0, 0.01, 0.02, 0.03], out, h.args.timeout)
+
+
+async def unloaded(proxy: Proxy, h: Harness) -> None:
+    """``--slo-base-n`` sequential requests per prompt length (the longest output) on the single
+    instance: its unloaded TTFT and TPOT p50, the base of the default SLOs (``h.unloaded``)."""
+    a = h.args
+    rng = np.random.default_rng(a.seed + 7)
+    out = max(a.output_lens)
+    for length in a.prompt_lens:
+        samples = []
+        for _ in range(a.slo_base_n):
+            s = Sample(ok=False, sent=time.monotonic())
+            prompt = [int(t) for t in rng.integers(10, h.model.vocab - 10, size=length)]
+            try:
+                await asyncio.wait_for(proxy(prompt, out, s), a.timeout)
+            except Exception as exc:
+                h.note(f"unloaded request at L={length} failed: {type(exc).__name__}: {exc}")
+            samples.append(s)
+        ok = [x for x in samples if x.ok]
+        h.unloaded[length] = {
+            "ttft_ms": _pct([x.ttft for x in ok], 50),
+            "tpot_ms": _pct([x.tpot for x in ok], 50),
+            "n": len(ok),
+            "max_tokens": out,
+            "load1": os.getloadavg()[0],
+        }
+        h.note(
+            f"unloaded single L={length} out={out}: TTFT p50 {h.unloaded[length]['ttft_ms']:.1f} ms, "
+            f"TPOT p50 {h.unloaded[length]['tpot_ms']:.2f} ms (n={len(ok)}, load {h.unloaded[length]['load1']:.1f})"
+        )
 
 
 async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[PointResult]]:
     a = h.args
-    client = Client(a.max_tokens, a.timeout)
+    client = Client(a.timeout)
     out: dict[str, list[PointResult]] = {}
     try:
         if kind == "single":
             with h.single() as srv:
-                full = single_proxy(client, srv.base_url, a.max_tokens)
+                full = single_proxy(client, srv.base_url)
                 await warm_up(full, h)
+                await unloaded(full, h)
                 out["single"] = await measure("single", full, pts, h)
-                out["prefill_only"] = await measure("prefill_only", single_proxy(client, srv.base_url, 1), pts, h)
+                out["prefill_only"] = await measure("prefill_only", full, prefill_only_points(pts), h)
+            return out
+        if kind == "two_plain":
+            with h.two_plain() as servers:
+                rr = round_robin_proxy(client, [srv.base_url for srv in servers])
+                await warm_up(rr, h)
+                out["two_plain"] = await measure("two_plain", rr, pts, h)
             return out
         with h.pair(kind) as pair:
             p_url, d_url = pair.prefill.base_url, pair.decode.base_url
@@ -831,11 +1057,11 @@ async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[P
                 logs = (pair.prefill.log_path, pair.decode.log_path)
                 async with pair.scheduler.security().aio_channel(pair.scheduler.address) as ch:
                     stub = pb_grpc.SchedulerStub(ch)
-                    proxy = ours_proxy(client, stub, a.max_tokens)
+                    proxy = ours_proxy(client, stub)
                     await warm_up(proxy, h)
                     out["ours"] = await measure("ours", proxy, pts, h, logs)
                     if not a.no_grpc:
-                        gen = grpc_proxy(stub, a.max_tokens)
+                        gen = grpc_proxy(stub)
                         await warm_up(gen, h)
                         out["ours_grpc"] = await measure("ours_grpc", gen, pts, h, logs)
         return out
@@ -845,13 +1071,15 @@ async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[P
 
 def derive(results: dict[str, list[PointResult]], raw: dict[int, dict[str, float]], model: ModelInfo) -> list[dict]:
     """Per point: hand-off overhead of each P/D setup and the ratios of ours to upstream."""
-    by = {name: {(r.prompt_len, r.rate): r for r in rs} for name, rs in results.items()}
+    by = {name: {(r.prompt_len, r.max_tokens, r.rate): r for r in rs} for name, rs in results.items()}
+    pre_by = {(r.prompt_len, r.rate): r for r in results.get("prefill_only", [])}
     rows = []
-    for (length, rate), single in by.get("single", {}).items():
-        pre = by.get("prefill_only", {}).get((length, rate))
+    for (length, out, rate), single in by.get("single", {}).items():
+        pre = pre_by.get((length, rate))
         kv = model.kv_bytes(length)
         row: dict[str, Any] = {
             "prompt_len": length,
+            "max_tokens": out,
             "rate": rate,
             "kv_bytes": kv,
             "raw_nixl_ms": raw.get(kv, {}).get("p50_ms", math.nan),
@@ -859,16 +1087,16 @@ def derive(results: dict[str, list[PointResult]], raw: dict[int, dict[str, float
             "single_tpot_p50_ms": single.tpot_p50_ms,
         }
         for name in ("pull", "push", "ours", "ours_grpc"):
-            r = by.get(name, {}).get((length, rate))
+            r = by.get(name, {}).get((length, out, rate))
             if r is None:
                 continue
             handoff = r.ttft_p50_ms - row["prefill_only_ttft_p50_ms"] - single.tpot_p50_ms
             row[f"handoff_{name}_ms"] = handoff
             row[f"sustained_{name}"] = r.sustained
         for ours in ("ours", "ours_grpc"):
-            o = by.get(ours, {}).get((length, rate))
+            o = by.get(ours, {}).get((length, out, rate))
             for up in ("push", "pull"):
-                u = by.get(up, {}).get((length, rate))
+                u = by.get(up, {}).get((length, out, rate))
                 if o and u:
                     row[f"ttft_{ours}/{up}"] = o.ttft_p50_ms / u.ttft_p50_ms
                     row[f"tpot_{ours}/{up}"] = o.tpot_p50_ms / u.tpot_p50_ms
@@ -879,26 +1107,34 @@ def derive(results: dict[str, list[PointResult]], raw: dict[int, dict[str, float
 
 
 def goals(results: dict[str, list[PointResult]], derived: list[dict]) -> list[dict]:
-    """Per prompt length, at the highest rate that ours, push and pull all sustained."""
-    by = {name: {(r.prompt_len, r.rate): r for r in rs} for name, rs in results.items()}
+    """Per prompt length and output length, at the highest rate that ours, push and pull all sustained."""
+    by = {name: {(r.prompt_len, r.max_tokens, r.rate): r for r in rs} for name, rs in results.items()}
     out = []
-    for length in sorted({d["prompt_len"] for d in derived}):
-        rows = [d for d in derived if d["prompt_len"] == length]
+    for length, mt in sorted({(d["prompt_len"], d["max_tokens"]) for d in derived}):
+        rows = [d for d in derived if (d["prompt_len"], d["max_tokens"]) == (length, mt)]
         ok = [
             d
             for d in rows
             if all(
-                by.get(n, {}).get((length, d["rate"])) is not None and by[n][(length, d["rate"])].sustained
+                by.get(n, {}).get((length, mt, d["rate"])) is not None and by[n][(length, mt, d["rate"])].sustained
                 for n in ("ours", "push", "pull")
             )
         ]
         if not ok:
-            out.append({"prompt_len": length, "rate": None, "note": "no rate sustained by ours, push and pull"})
+            out.append(
+                {
+                    "prompt_len": length,
+                    "max_tokens": mt,
+                    "rate": None,
+                    "note": "no rate sustained by ours, push and pull",
+                }
+            )
             continue
         d = max(ok, key=lambda x: x["rate"])
         light = min(rows, key=lambda x: x["rate"])
         g = {
             "prompt_len": length,
+            "max_tokens": mt,
             "rate": d["rate"],
             "ttft_ours/push": d.get("ttft_ours/push"),
             "ttft_ours/pull": d.get("ttft_ours/pull"),
@@ -925,68 +1161,129 @@ def _f(x: Any, nd: int = 1) -> str:
     return f"{x:.{nd}f}"
 
 
+def _rate_cell(g: dict[str, Any] | None) -> str:
+    """A goodput-summary cell: the highest rate at >= target attainment and the goodput there."""
+    if not g:
+        return "–"
+    if g.get("max_rate") is None:
+        lowest = min(g.get("rates") or [math.nan])
+        return f"< {lowest:g} (best {_f(g.get('best_goodput_rps'), 2)})"
+    return f"{g['max_rate']:g} ({_f(g.get('goodput_rps_at_max_rate'), 2)})"
+
+
+def _slo_line(res: dict[str, Any]) -> str:
+    slo = res.get("slo") or {}
+    per = slo.get("per_prompt_len") or {}
+    known = {k: v for k, v in per.items() if v}
+    if not known:
+        return (
+            "SLOs unknown (no `single` run for the unloaded base and no `--slo-ttft-ms`/`--slo-tpot-ms`): no goodput."
+        )
+    parts = ", ".join(f"L={k}: TTFT ≤ {v['ttft_ms']:.0f} ms, TPOT ≤ {v['tpot_ms']:.1f} ms" for k, v in known.items())
+    return f"SLOs ({slo.get('source', '')}): {parts}."
+
+
 def markdown(res: dict[str, Any]) -> str:
     results: dict[str, list[dict]] = res["results"]
     cfg = res["config"]
+    outs = cfg.get("output_lens") or [cfg["max_tokens"]]
+    target = res.get("slo", {}).get("attainment_target", SLO_ATTAINMENT)
     lines = [
         f"Model `{cfg['model_dir']}` ({cfg['model']['layers']} layers, {cfg['model']['kv_heads']} KV heads × "
-        f"{cfg['model']['head_dim']}), {cfg['max_tokens']} output tokens, P on core {cfg['prefill_core']}, "
-        f"D on core {cfg['decode_core']}, single instance on core {cfg['prefill_core']}; {res['host']}.",
+        f"{cfg['model']['head_dim']}), {' and '.join(str(o) for o in outs)} output tokens, P on core "
+        f"{cfg['prefill_core']}, D on core {cfg['decode_core']}, single instance on core {cfg['prefill_core']}, "
+        f"two_plain on both; {res['host']}.",
+        "",
+        _slo_line(res),
         "",
         "### Latency and throughput per setup",
         "",
-        "| prompt | rate /s | n | setup | ok | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | req/s | "
-        "hand-off p50 ms | load1 / foreign vLLMs |",
-        "|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompt | out | rate /s | n | setup | ok | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | req/s | "
+        "SLO met | goodput req/s | hand-off p50 ms | load1 / foreign vLLMs |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    dmap = {(d["prompt_len"], d["rate"]): d for d in res["derived"]}
-    keys = sorted({(r["prompt_len"], r["rate"]) for rs in results.values() for r in rs})
-    for length, rate in keys:
-        for name in ("single", "prefill_only", "pull", "push", "ours", "ours_grpc"):
-            r = next((x for x in results.get(name, []) if (x["prompt_len"], x["rate"]) == (length, rate)), None)
+    dmap = {(d["prompt_len"], d["max_tokens"], d["rate"]): d for d in res["derived"]}
+    keys = sorted(
+        {(r["max_tokens"], r["prompt_len"], r["rate"]) for n, rs in results.items() if n != "prefill_only" for r in rs}
+    )
+    first_out = min((k[0] for k in keys), default=None)
+    by = {
+        name: {(x["prompt_len"], x["max_tokens"], x["rate"]): x for x in rs}
+        for name, rs in results.items()
+        if name != "prefill_only"
+    }
+    pre = {(x["prompt_len"], x["rate"]): x for x in results.get("prefill_only", [])}
+    for out, length, rate in keys:
+        for name in ("single", "prefill_only", *SETUPS[1:]):
+            if name == "prefill_only":
+                # One max_tokens=1 reference per prompt length and rate, shown with the first output length.
+                r = pre.get((length, rate)) if out == first_out else None
+            else:
+                r = by.get(name, {}).get((length, out, rate))
             if r is None:
                 continue
-            handoff = dmap.get((length, rate), {}).get(f"handoff_{name}_ms")
+            handoff = dmap.get((length, out, rate), {}).get(f"handoff_{name}_ms")
             sus = "" if r["sustained"] else " †"
+            met = "–" if r.get("slo_attainment") is None else f"{r['slo_attainment'] * 100:.0f} %"
             lines.append(
-                f"| {length} | {rate:g} | {r['requests']} | {name} | {r['ok']} | {_f(r['ttft_p50_ms'])} | "
-                f"{_f(r['ttft_p99_ms'])} | {_f(r['tpot_p50_ms'], 2)} | {_f(r['tpot_p99_ms'], 2)} | "
-                f"{_f(r['throughput_rps'], 2)}{sus} | {_f(handoff)} | {_f(r.get('load1'))} / {r.get('foreign_vllm', 0)} |"
+                f"| {length} | {r.get('max_tokens')} | {rate:g} | {r['requests']} | {name} | {r['ok']} | "
+                f"{_f(r['ttft_p50_ms'])} | {_f(r['ttft_p99_ms'])} | {_f(r['tpot_p50_ms'], 2)} | "
+                f"{_f(r['tpot_p99_ms'], 2)} | {_f(r['throughput_rps'], 2)}{sus} | {met} | "
+                f"{_f(r.get('goodput_rps'), 2)} | {_f(handoff)} | {_f(r.get('load1'))} / {r.get('foreign_vllm', 0)} |"
             )
     lines += [
         "",
-        "† not sustained (throughput < 0.9 × offered rate, or failures).",
+        "† not sustained (throughput < 0.9 × offered rate, or failures). SLO met: requests with TTFT and "
+        "their own mean TPOT both within the SLOs, of all requests (failures miss); goodput = those per second.",
+        "",
+        f"### Goodput: highest rate with ≥ {target * 100:.0f} % SLO attainment (goodput there, req/s)",
+        "",
+        _slo_line(res),
+        "",
+        "| prompt | out | SLO TTFT ms | SLO TPOT ms | " + " | ".join(SETUPS) + " |",
+        "|---:|---:|---:|---:|" + "---|" * len(SETUPS),
+    ]
+    for g in res.get("goodput", []):
+        cells = " | ".join(_rate_cell(g["setups"].get(n)) for n in SETUPS)
+        lines.append(
+            f"| {g['prompt_len']} | {g['max_tokens']} | {_f(g.get('slo_ttft_ms'), 0)} | {_f(g.get('slo_tpot_ms'), 1)} "
+            f"| {cells} |"
+        )
+    lines += [
+        "",
+        f"Each rate up to the one shown kept ≥ {target * 100:.0f} % of requests within both SLOs; "
+        "`< r (best g)`: the lowest rate r already missed (g: the best goodput measured); –: not run.",
         "",
         "### Ratios (p50), hand-off and raw NIXL",
         "",
-        "| prompt | rate /s | KV bytes/req | raw NIXL WRITE ms | TTFT ours/push | TTFT ours/pull | TPOT ours/push | "
-        "TPOT ours/pull | hand-off ours ms | hand-off ours/NIXL | TTFT grpc/push | our write_ms p50 | "
-        "our released waited_ms p50 |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompt | out | rate /s | KV bytes/req | raw NIXL WRITE ms | TTFT ours/push | TTFT ours/pull | "
+        "TPOT ours/push | TPOT ours/pull | hand-off ours ms | hand-off ours/NIXL | TTFT grpc/push | "
+        "our write_ms p50 | our released waited_ms p50 |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    ours = {(r["prompt_len"], r["rate"]): r for r in results.get("ours", [])}
-    for d in res["derived"]:
-        ph = ours.get((d["prompt_len"], d["rate"]), {}).get("phases", {})
+    ours = {(r["prompt_len"], r["max_tokens"], r["rate"]): r for r in results.get("ours", [])}
+    for d in sorted(res["derived"], key=lambda x: (x["max_tokens"], x["prompt_len"], x["rate"])):
+        ph = ours.get((d["prompt_len"], d["max_tokens"], d["rate"]), {}).get("phases", {})
         lines.append(
-            f"| {d['prompt_len']} | {d['rate']:g} | {d['kv_bytes']} | {_f(d['raw_nixl_ms'], 3)} | "
-            f"{_f(d.get('ttft_ours/push'), 2)} | {_f(d.get('ttft_ours/pull'), 2)} | {_f(d.get('tpot_ours/push'), 2)} | "
-            f"{_f(d.get('tpot_ours/pull'), 2)} | {_f(d.get('handoff_ours_ms'))} | {_f(d.get('handoff_ours/nixl'), 0)} | "
-            f"{_f(d.get('ttft_ours_grpc/push'), 2)} | {_f(ph.get('write_ms_p50'), 3)} | "
-            f"{_f(ph.get('released_waited_ms_p50'), 1)} |"
+            f"| {d['prompt_len']} | {d.get('max_tokens')} | {d['rate']:g} | {d['kv_bytes']} | "
+            f"{_f(d['raw_nixl_ms'], 3)} | {_f(d.get('ttft_ours/push'), 2)} | {_f(d.get('ttft_ours/pull'), 2)} | "
+            f"{_f(d.get('tpot_ours/push'), 2)} | {_f(d.get('tpot_ours/pull'), 2)} | {_f(d.get('handoff_ours_ms'))} | "
+            f"{_f(d.get('handoff_ours/nixl'), 0)} | {_f(d.get('ttft_ours_grpc/push'), 2)} | "
+            f"{_f(ph.get('write_ms_p50'), 3)} | {_f(ph.get('released_waited_ms_p50'), 1)} |"
         )
     lines += [
         "",
         "### Where our TTFT goes (p50 per phase, joined per request on the transfer id; ms)",
         "",
-        "| prompt | rate /s | setup | TTFT | sent → WRITE start | WRITE (write_ms) | WRITE start → D release | "
+        "| prompt | out | rate /s | setup | TTFT | sent → WRITE start | WRITE (write_ms) | WRITE start → D release | "
         "D release → first token |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     for name in ("ours", "ours_grpc"):
         for r in results.get(name, []):
             ph = r.get("phases") or {}
             lines.append(
-                f"| {r['prompt_len']} | {r['rate']:g} | {name} | {_f(r['ttft_p50_ms'])} | "
+                f"| {r['prompt_len']} | {r.get('max_tokens')} | {r['rate']:g} | {name} | {_f(r['ttft_p50_ms'])} | "
                 f"{_f(ph.get('to_write_start_ms_p50'))} | {_f(ph.get('write_ms_p50'), 2)} | "
                 f"{_f(ph.get('write_start_to_release_ms_p50'), 2)} | {_f(ph.get('release_to_first_ms_p50'), 1)} |"
             )
@@ -994,18 +1291,19 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         "### Goals (at the highest rate that ours, push and pull all sustained; hand-off at the lightest rate)",
         "",
-        f"| prompt | rate /s | TTFT ours/push (≤ {GOAL_TTFT_VS_PUSH}) | TTFT ours/pull (≤ {GOAL_TTFT_VS_PULL}) | "
+        f"| prompt | out | rate /s | TTFT ours/push (≤ {GOAL_TTFT_VS_PUSH}) | TTFT ours/pull (≤ {GOAL_TTFT_VS_PULL}) | "
         f"TPOT ours/push (≤ {GOAL_TPOT_VS_PUSH}) | hand-off/NIXL at light load (≤ {GOAL_HANDOFF_VS_NIXL}) |",
-        "|---:|---:|---|---|---|---|",
+        "|---:|---:|---:|---|---|---|---|",
     ]
     for g in res["goals"]:
         if g.get("rate") is None:
-            lines.append(f"| {g['prompt_len']} | – | {g['note']} | | | |")
+            lines.append(f"| {g['prompt_len']} | {g.get('max_tokens')} | – | {g['note']} | | | |")
             continue
         lines.append(
-            f"| {g['prompt_len']} | {g['rate']:g} | {_f(g['ttft_ours/push'], 2)} {_f(g['pass_ttft_push'])} | "
-            f"{_f(g['ttft_ours/pull'], 2)} {_f(g['pass_ttft_pull'])} | {_f(g['tpot_ours/push'], 2)} "
-            f"{_f(g['pass_tpot_push'])} | {_f(g['handoff_ours/nixl_light'], 0)} {_f(g['pass_handoff'])} |"
+            f"| {g['prompt_len']} | {g.get('max_tokens')} | {g['rate']:g} | {_f(g['ttft_ours/push'], 2)} "
+            f"{_f(g['pass_ttft_push'])} | {_f(g['ttft_ours/pull'], 2)} {_f(g['pass_ttft_pull'])} | "
+            f"{_f(g['tpot_ours/push'], 2)} {_f(g['pass_tpot_push'])} | {_f(g['handoff_ours/nixl_light'], 0)} "
+            f"{_f(g['pass_handoff'])} |"
         )
     lines += [
         "",
@@ -1016,25 +1314,43 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def plots(res: dict[str, Any], out_dir: Path, stem: str = "serving") -> list[str]:
+    """``<stem>_ttft.png``, ``<stem>_tpot.png`` (p50 and p99 vs rate) and ``<stem>_goodput.png``
+    (goodput and SLO attainment vs rate); one column per prompt length and output length."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     results: dict[str, list[dict]] = res["results"]
-    lengths = sorted({r["prompt_len"] for rs in results.values() for r in rs})
+    cols = sorted(
+        {(r["prompt_len"], r["max_tokens"]) for n, rs in results.items() if n != "prefill_only" for r in rs},
+        key=lambda k: (k[1], k[0]),
+    )
+    if not cols:
+        return []
+
+    def series(name: str, length: int, out: int) -> list[dict[str, Any]]:
+        rs = (r for r in results.get(name, []) if (r["prompt_len"], r["max_tokens"]) == (length, out))
+        return sorted(rs, key=lambda r: r["rate"])
+
+    def series_all(length: int, out: int) -> list[dict[str, Any]]:
+        return [r for name in SETUPS for r in series(name, length, out)]
+
+    def num(x: Any) -> float:
+        return math.nan if x is None else float(x)
+
     written = []
     for metric, title in (("ttft", "TTFT"), ("tpot", "TPOT")):
-        fig, axes = plt.subplots(1, len(lengths), figsize=(5 * len(lengths), 4), squeeze=False)
-        for ax, length in zip(axes[0], lengths, strict=True):
-            for name in ("single", "pull", "push", "ours", "ours_grpc"):
-                rs = sorted((r for r in results.get(name, []) if r["prompt_len"] == length), key=lambda r: r["rate"])
+        fig, axes = plt.subplots(1, len(cols), figsize=(5 * len(cols), 4), squeeze=False)
+        for ax, (length, out) in zip(axes[0], cols, strict=True):
+            for name in SETUPS:
+                rs = series(name, length, out)
                 if not rs:
                     continue
                 x = [r["rate"] for r in rs]
-                (line,) = ax.plot(x, [r[f"{metric}_p50_ms"] for r in rs], marker="o", label=f"{name} p50")
-                ax.plot(x, [r[f"{metric}_p99_ms"] for r in rs], ls="--", color=line.get_color(), alpha=0.6)
-            ax.set_title(f"{title}, prompt {length} tokens (dashed: p99)")
+                (line,) = ax.plot(x, [num(r[f"{metric}_p50_ms"]) for r in rs], marker="o", label=f"{name} p50")
+                ax.plot(x, [num(r[f"{metric}_p99_ms"]) for r in rs], ls="--", color=line.get_color(), alpha=0.6)
+            ax.set_title(f"{title}, prompt {length}, {out} out (dashed: p99)", fontsize=9)
             ax.set_xlabel("offered rate (req/s)")
             ax.set_ylabel(f"{title} (ms)")
             if metric == "ttft":
@@ -1046,6 +1362,34 @@ def plots(res: dict[str, Any], out_dir: Path, stem: str = "serving") -> list[str
         fig.savefig(path, dpi=90)
         plt.close(fig)
         written.append(str(path))
+    target = res.get("slo", {}).get("attainment_target", SLO_ATTAINMENT)
+    fig, axes = plt.subplots(2, len(cols), figsize=(5 * len(cols), 7), squeeze=False)
+    for j, (length, out) in enumerate(cols):
+        top, bottom = axes[0][j], axes[1][j]
+        for name in SETUPS:
+            rs = series(name, length, out)
+            if not rs or rs[0].get("slo_attainment") is None:
+                continue
+            x = [r["rate"] for r in rs]
+            (line,) = top.plot(x, [num(r.get("goodput_rps")) for r in rs], marker="o", label=name)
+            bottom.plot(x, [num(r.get("slo_attainment")) * 100 for r in rs], marker="o", color=line.get_color())
+        top_rate = max(r["rate"] for r in series_all(length, out))
+        top.plot([0, top_rate], [0, top_rate], ls=":", color="grey", lw=1)
+        top.set_title(f"goodput, prompt {length}, {out} out (dotted: = offered)", fontsize=9)
+        top.set_ylabel("goodput (req/s)")
+        bottom.axhline(target * 100, ls=":", color="grey", lw=1)
+        bottom.set_title(f"SLO attainment (dotted: {target * 100:.0f} %)", fontsize=9)
+        bottom.set_ylabel("requests within both SLOs (%)")
+        bottom.set_ylim(-5, 105)
+        for ax in (top, bottom):
+            ax.set_xlabel("offered rate (req/s)")
+            ax.grid(alpha=0.3)
+        top.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / f"{stem}_goodput.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    written.append(str(path))
     return written
 
 
@@ -1063,7 +1407,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one prompt length, two rates, few requests")
     ap.add_argument("--model-dir", type=Path, default=ROOT / "models" / "tiny-llama")
-    ap.add_argument("--setups", default="single,pull,push,ours", help="comma list of single,pull,push,ours")
+    ap.add_argument(
+        "--setups",
+        default="single,two_plain,pull,push,ours",
+        help="comma list of single,two_plain,pull,push,ours (ours also runs ours_grpc unless --no-grpc)",
+    )
     ap.add_argument("--no-grpc", action="store_true", help="skip the ours_grpc (scheduler Generate) runs")
     ap.add_argument("--prompt-lens", default="512,1024,2048")
     ap.add_argument("--rates", default="", help="explicit rates (req/s) for every prompt length")
@@ -1076,7 +1424,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--requests", type=int, default=48, help="requests per point (upper bound)")
     ap.add_argument("--min-requests", type=int, default=16)
     ap.add_argument("--max-point-s", type=float, default=20.0, help="cap on requests/rate per point")
-    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument(
+        "--output-lens", default="16,128", help="output tokens per request; the whole sweep runs once per length"
+    )
+    ap.add_argument("--max-tokens", type=int, default=None, help="one output length (same as --output-lens N)")
+    ap.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=0.0,
+        help="TTFT target of every request (default 0: --slo-scale x the single instance's unloaded TTFT p50)",
+    )
+    ap.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=0.0,
+        help="mean-TPOT target of every request (default 0: --slo-scale x the single instance's unloaded TPOT p50)",
+    )
+    ap.add_argument("--slo-scale", type=float, default=3.0, help="SLO = this x unloaded p50, per prompt length")
+    ap.add_argument(
+        "--slo-base-n", type=int, default=3, help="sequential requests per prompt length for the unloaded p50"
+    )
     ap.add_argument("--max-model-len", type=int, default=0, help="default: longest prompt + max-tokens, rounded")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
@@ -1107,14 +1474,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.min_requests = min(args.min_requests, 16)
         args.warmup = min(args.warmup, 2)
     args.prompt_lens = [int(x) for x in str(args.prompt_lens).split(",") if x]
+    if args.max_tokens is not None:
+        args.output_lens = str(args.max_tokens)
+    args.output_lens = sorted({int(x) for x in str(args.output_lens).split(",") if x})
+    if not args.output_lens or min(args.output_lens) < 1:
+        ap.error("--output-lens needs positive lengths")
+    args.max_tokens = max(args.output_lens)
     args.rates = [float(x) for x in str(args.rates).split(",") if x]
     args.rate_units = [float(x) for x in str(args.rate_units).split(",") if x]
     args.setups = [x for x in str(args.setups).split(",") if x]
-    bad = set(args.setups) - {"single", *PAIRS}
+    bad = set(args.setups) - set(KINDS)
     if bad:
         ap.error(f"unknown setups {sorted(bad)}")
     if not args.max_model_len:
-        need = max(args.prompt_lens) + args.max_tokens
+        need = max(args.prompt_lens) + max(args.output_lens)
         args.max_model_len = 1 << (need - 1).bit_length()
     return args
 
@@ -1167,7 +1540,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # one broken setup must not lose the others
             h.note(f"setup {kind} failed: {type(exc).__name__}: {exc}")
         setup_s[kind] = time.monotonic() - t0
+    slos = slos_for(args.prompt_lens, h.unloaded, args.slo_scale, args.slo_ttft_ms, args.slo_tpot_ms)
+    apply_slo(results, slos)
     derived = derive(results, raw, h.model)
+    fixed = args.slo_ttft_ms > 0 and args.slo_tpot_ms > 0
+    slo_info = {
+        "source": (
+            "fixed by --slo-ttft-ms/--slo-tpot-ms"
+            if fixed
+            else f"{args.slo_scale:g} × the single instance's unloaded p50 unless fixed by a flag"
+        ),
+        "scale": args.slo_scale,
+        "ttft_ms_flag": args.slo_ttft_ms,
+        "tpot_ms_flag": args.slo_tpot_ms,
+        "attainment_target": SLO_ATTAINMENT,
+        "unloaded": {str(k): v for k, v in h.unloaded.items()},
+        "per_prompt_len": {str(k): (asdict(v) if v else None) for k, v in slos.items()},
+    }
     res: dict[str, Any] = {
         "host": f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
         "config": {
@@ -1181,6 +1570,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "raw_nixl": {str(k): v for k, v in raw.items()},
         "results": {k: [asdict(r) for r in v] for k, v in results.items()},
         "derived": derived,
+        "slo": slo_info,
+        "goodput": goodput_summary(results),
         "setup_seconds": setup_s,
         "total_seconds": time.monotonic() - t_start,
     }

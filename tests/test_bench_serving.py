@@ -1,0 +1,340 @@
+"""Pure helpers of the serving benchmark (no servers): goodput and SLO attainment, the rate summary,
+the round-robin proxy of ``two_plain``, the sweep over output lengths, and the report."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import serving as sv
+from benchmarks.serving import Point, PointResult, RoundRobin, Sample, Slo
+
+SLO = Slo(ttft_ms=500.0, tpot_ms=20.0)
+
+
+# ----- one request against the SLOs ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ttft", "tpot", "met"),
+    [
+        (100.0, 10.0, True),
+        (500.0, 20.0, True),  # the targets themselves are met (<=)
+        (500.1, 10.0, False),  # TTFT over
+        (100.0, 20.1, False),  # TPOT over
+        (600.0, 30.0, False),
+        (math.nan, math.nan, False),  # failed request
+        (None, None, False),  # failed request, as read back from JSON
+        (100.0, math.nan, True),  # one-token output: TTFT alone
+        (100.0, None, True),
+    ],
+)
+def test_meets_slo_needs_both_targets(ttft: float | None, tpot: float | None, met: bool) -> None:
+    assert sv.meets_slo(ttft, tpot, SLO) is met
+
+
+def test_goodput_counts_failures_as_missed_and_divides_by_duration() -> None:
+    ttft = [100.0, 200.0, 900.0, math.nan, 450.0]
+    tpot = [10.0, 25.0, 10.0, math.nan, 19.0]
+    met, fraction, rps = sv.goodput(ttft, tpot, 2.0, SLO)
+    assert met == 2  # requests 0 and 4; 1 misses TPOT, 2 misses TTFT, 3 failed
+    assert fraction == pytest.approx(2 / 5)
+    assert rps == pytest.approx(1.0)
+
+
+def test_goodput_edge_cases() -> None:
+    assert sv.goodput([math.nan, math.nan], [math.nan, math.nan], math.nan, SLO) == (0, 0.0, 0.0)
+    met, fraction, rps = sv.goodput([], [], 1.0, SLO)
+    assert met == 0 and math.isnan(fraction) and rps == 0.0
+    with pytest.raises(ValueError):
+        sv.goodput([1.0], [], 1.0, SLO)
+
+
+# ----- the rate summary ----------------------------------------------------------------------------
+
+
+def test_max_rate_meeting_stops_at_the_first_rate_that_misses() -> None:
+    assert sv.max_rate_meeting([(1.0, 1.0), (2.0, 0.95), (4.0, 0.9), (8.0, 0.5)]) == 4.0
+    # A pass above a failing rate is noise, not capacity; input order does not matter.
+    assert sv.max_rate_meeting([(8.0, 1.0), (2.0, 1.0), (4.0, 0.89)]) == 2.0
+    assert sv.max_rate_meeting([(1.0, 0.5), (2.0, 1.0)]) is None
+    assert sv.max_rate_meeting([(1.0, 1.0), (2.0, math.nan), (4.0, 1.0)]) == 1.0
+    assert sv.max_rate_meeting([]) is None
+    assert sv.max_rate_meeting([(1.0, 0.8), (2.0, 0.7)], target=0.75) == 1.0
+
+
+def test_slos_from_the_unloaded_base_or_fixed_flags() -> None:
+    base = {512: {"ttft_ms": 100.0, "tpot_ms": 10.0}, 1024: {"ttft_ms": 200.0, "tpot_ms": 12.0}}
+    slos = sv.slos_for([512, 1024, 2048], base, scale=3.0)
+    assert slos[512] == Slo(300.0, 30.0)
+    assert slos[1024] == Slo(600.0, 36.0)
+    assert slos[2048] is None  # no base and no flag: unknown
+    mixed = sv.slos_for([1024, 2048], base, scale=3.0, tpot_ms=50.0)
+    assert mixed[1024] == Slo(600.0, 50.0)
+    assert mixed[2048] is None  # TTFT still has no base
+    fixed = sv.slos_for([2048], {}, scale=3.0, ttft_ms=800.0, tpot_ms=40.0)
+    assert fixed[2048] == Slo(800.0, 40.0)
+
+
+def _result(setup: str, pt: Point, ttft_s: list[float], tpot_s: float = 0.01) -> PointResult:
+    """A point whose requests are sent 1/rate apart; NaN TTFT: that request failed."""
+    samples = []
+    for i, t in enumerate(ttft_s):
+        s = Sample(ok=not math.isnan(t), sent=i / pt.rate)
+        if s.ok:
+            s.ttft, s.tpot, s.done = t, tpot_s, i / pt.rate + t + tpot_s * (pt.max_tokens - 1)
+        samples.append(s)
+    return sv.summarize(setup, pt, samples)
+
+
+def test_summarize_keeps_per_request_times_in_ms() -> None:
+    r = _result("single", Point(1024, 2.0, 3, 16), [0.1, math.nan, 0.3], tpot_s=0.02)
+    assert r.max_tokens == 16 and r.ok == 2
+    assert r.req_ttft_ms[0] == pytest.approx(100.0) and r.req_ttft_ms[2] == pytest.approx(300.0)
+    assert math.isnan(r.req_ttft_ms[1]) and math.isnan(r.req_tpot_ms[1])
+    assert r.req_tpot_ms[0] == pytest.approx(20.0)
+
+
+def _sweep() -> dict[str, list[PointResult]]:
+    """single meets the SLO at 1/s only; two_plain at 1 and 2/s, and by chance again at 8/s."""
+    fast, slow = [0.1] * 10, [0.1] * 5 + [2.0] * 5
+    plan = {
+        "single": {1.0: fast, 2.0: slow, 4.0: slow, 8.0: fast},
+        "two_plain": {1.0: fast, 2.0: fast, 4.0: slow, 8.0: fast},
+    }
+    out: dict[str, list[PointResult]] = {
+        name: [_result(name, Point(1024, rate, 10, 16), t) for rate, t in rates.items()] for name, rates in plan.items()
+    }
+    out["prefill_only"] = [_result("prefill_only", Point(1024, 1.0, 10, 1), fast)]
+    return out
+
+
+def test_apply_slo_and_goodput_summary() -> None:
+    results = _sweep()
+    sv.apply_slo(results, {1024: SLO})
+    one = results["two_plain"][0]
+    assert (one.slo_ttft_ms, one.slo_tpot_ms) == (500.0, 20.0)
+    assert one.slo_met == 10 and one.slo_attainment == 1.0
+    assert one.goodput_rps == pytest.approx(one.throughput_rps)  # every ok request met the SLOs
+    assert results["single"][1].slo_attainment == pytest.approx(0.5)
+    assert math.isnan(results["prefill_only"][0].slo_attainment)  # the reference is not judged
+    [row] = sv.goodput_summary(results)
+    assert (row["prompt_len"], row["max_tokens"]) == (1024, 16)
+    assert row["setups"]["single"]["max_rate"] == 1.0
+    assert row["setups"]["two_plain"]["max_rate"] == 2.0
+    assert row["setups"]["two_plain"]["goodput_rps_at_max_rate"] == pytest.approx(results["two_plain"][1].goodput_rps)
+    assert row["setups"]["two_plain"]["best_goodput_rps"] == max(r.goodput_rps for r in results["two_plain"])
+    assert "pull" not in row["setups"]
+
+
+def test_goodput_summary_without_slo_lists_no_setups() -> None:
+    results = _sweep()
+    sv.apply_slo(results, {1024: None})
+    [row] = sv.goodput_summary(results)
+    assert row["setups"] == {} and "slo_ttft_ms" not in row
+
+
+# ----- the round-robin proxy -------------------------------------------------------------------------
+
+
+def test_round_robin_cycles_through_every_backend() -> None:
+    rr = RoundRobin(2)
+    assert [rr.pick() for _ in range(5)] == [0, 1, 0, 1, 0]
+    rr3 = RoundRobin(3)
+    assert [rr3.pick() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    one = RoundRobin(1)
+    assert {one.pick() for _ in range(3)} == {0}
+    with pytest.raises(ValueError):
+        RoundRobin(0)
+
+
+class _FakeClient:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    async def stream(self, url: str, prompt: list[int], max_tokens: int, params: Any, rid: str, s: Sample) -> None:
+        self.calls.append((url, prompt[0], max_tokens))
+        assert params is None  # plain instances: no kv_transfer_params
+        s.ok = True
+
+
+def test_round_robin_proxy_alternates_in_request_order() -> None:
+    client = _FakeClient()
+    proxy = sv.round_robin_proxy(client, ["http://a", "http://b"])  # type: ignore[arg-type]
+
+    async def go() -> None:
+        for i in range(5):
+            await proxy([i], 16, Sample(ok=False, sent=0.0))
+
+    asyncio.run(go())
+    assert client.calls == [
+        ("http://a", 0, 16),
+        ("http://b", 1, 16),
+        ("http://a", 2, 16),
+        ("http://b", 3, 16),
+        ("http://a", 4, 16),
+    ]
+
+
+class _FakePD:
+    """A client for the P/D proxies: records P's non-streaming legs and D's streaming leg."""
+
+    def __init__(self) -> None:
+        self.once_calls: list[tuple[str, int, dict[str, Any] | None]] = []
+        self.stream_calls: list[tuple[str, int, dict[str, Any] | None]] = []
+
+    async def once(self, url: str, prompt: list[int], max_tokens: int, params: Any, rid: str) -> dict[str, Any]:
+        self.once_calls.append((url, max_tokens, params))
+        return {"kv_transfer_params": {"from": "p"}}
+
+    async def stream(self, url: str, prompt: list[int], max_tokens: int, params: Any, rid: str, s: Sample) -> None:
+        self.stream_calls.append((url, max_tokens, params))
+        s.ok = True
+
+
+@pytest.mark.parametrize("kind", ["pull", "push"])
+def test_pd_proxies_send_one_prefill_token_and_stream_the_requested_length(kind: str) -> None:
+    c = _FakePD()
+    if kind == "pull":
+        proxy = sv.pull_proxy(c, "http://p", "http://d")  # type: ignore[arg-type]
+    else:
+        proxy = sv.push_proxy(c, "http://p", "http://d", "engine-p", "127.0.0.1", 5600, 1)  # type: ignore[arg-type]
+    s = Sample(ok=False, sent=0.0)
+    asyncio.run(proxy([1, 2, 3], 128, s))
+    assert s.ok
+    [(p_url, p_tokens, p_params)] = c.once_calls
+    [(d_url, d_tokens, d_params)] = c.stream_calls
+    assert (p_url, p_tokens, d_url, d_tokens) == ("http://p", 1, "http://d", 128)
+    assert p_params is not None and p_params["do_remote_decode"] is True
+    if kind == "pull":
+        assert d_params == {"from": "p"}  # P's returned params, after P finished
+    else:
+        assert d_params is not None and d_params["remote_engine_id"] == "engine-p"
+
+
+def test_ours_and_grpc_proxies_pass_the_output_length() -> None:
+    from google.protobuf.struct_pb2 import Struct
+
+    from kvpush.v1 import kvpush_pb2 as pb
+
+    class Stub:
+        def __init__(self) -> None:
+            self.assigned: list[int] = []
+            self.released: list[int] = []
+            self.generated: list[int] = []
+
+        async def Assign(self, req: Any, timeout: float) -> Any:  # the gRPC method names
+            self.assigned.append(req.max_tokens)
+            params = Struct()
+            params.update({"k": "v"})
+            return pb.Assignment(
+                transfer_id="t1",
+                epoch=3,
+                prefill=pb.InstanceInfo(http_endpoint="http://p"),
+                decode=pb.InstanceInfo(http_endpoint="http://d"),
+                prefill_kv_transfer_params=params,
+                decode_kv_transfer_params=params,
+            )
+
+        async def Release(self, req: Any, timeout: float) -> Any:
+            self.released.append(req.outcome)
+            return pb.ReleaseResponse()
+
+        async def _gen(self, n: int) -> Any:
+            for i in range(n):
+                yield pb.GenerateResponse(transfer_id="t2", token_ids=[i])
+
+        def Generate(self, req: Any, timeout: float) -> Any:
+            self.generated.append(req.max_tokens)
+            return self._gen(req.max_tokens)
+
+    c, stub = _FakePD(), Stub()
+    s = Sample(ok=False, sent=0.0)
+    asyncio.run(sv.ours_proxy(c, stub)([1, 2], 128, s))  # type: ignore[arg-type]
+    assert stub.assigned == [128] and stub.released == [pb.OUTCOME_OK] and s.transfer_id == "t1"
+    assert [x[:2] for x in c.once_calls] == [("http://p", 1)]
+    assert [x[:2] for x in c.stream_calls] == [("http://d", 128)]
+    g = Sample(ok=False, sent=0.0)
+    asyncio.run(sv.grpc_proxy(stub)([1, 2], 16, g))
+    assert stub.generated == [16] and g.ok and g.tokens == 16 and g.transfer_id == "t2"
+
+
+# ----- the sweep and the flags ------------------------------------------------------------------------
+
+
+def test_every_point_runs_once_per_output_length_with_the_same_prompts() -> None:
+    args = sv.parse_args(["--quick"])
+    assert args.output_lens == [16, 128]
+    assert "two_plain" in args.setups
+    assert args.max_model_len >= max(args.prompt_lens) + 128
+    pts = sv.points(args)
+    assert [(p.max_tokens, p.rate) for p in pts] == [(16, 4.0), (16, 16.0), (128, 4.0), (128, 16.0)]
+    assert len({p.key for p in pts}) == len(pts)
+    assert sv.prompts_for(pts[0], 1000, 0) == sv.prompts_for(pts[2], 1000, 0)
+    assert sv.arrivals_for(pts[0], 0) == sv.arrivals_for(pts[2], 0)
+    pre = sv.prefill_only_points(pts)
+    assert [(p.rate, p.max_tokens) for p in pre] == [(4.0, 1), (16.0, 1)]
+
+
+def test_flags() -> None:
+    args = sv.parse_args(["--max-tokens", "32", "--setups", "single,two_plain", "--slo-ttft-ms", "400"])
+    assert args.output_lens == [32] and args.max_tokens == 32
+    assert args.setups == ["single", "two_plain"]
+    assert args.slo_ttft_ms == 400.0 and args.slo_tpot_ms == 0.0 and args.slo_scale == 3.0
+    assert sv.parse_args(["--output-lens", "128,16,16"]).output_lens == [16, 128]
+    with pytest.raises(SystemExit):
+        sv.parse_args(["--setups", "single,three_plain"])
+    with pytest.raises(SystemExit):
+        sv.parse_args(["--output-lens", "0"])
+
+
+# ----- the report ----------------------------------------------------------------------------------------
+
+
+def _res(results: dict[str, list[PointResult]], slo: Slo | None) -> dict[str, Any]:
+    model = sv.ModelInfo(layers=2, kv_heads=4, head_dim=32, dtype_bytes=2, vocab=1000, max_positions=4096)
+    derived = sv.derive(results, {}, model)
+    res = {
+        "host": "test",
+        "config": {"model_dir": "m", "model": asdict(model), "output_lens": [16], "prefill_core": 0, "decode_core": 1},
+        "results": {k: [asdict(r) for r in v] for k, v in results.items()},
+        "derived": derived,
+        "slo": {"source": "test", "attainment_target": 0.9, "per_prompt_len": {"1024": asdict(slo) if slo else None}},
+        "goodput": sv.goodput_summary(results),
+        "goals": sv.goals(results, derived),
+    }
+    out: dict[str, Any] = sv._jsonable(res)
+    return out
+
+
+def test_markdown_shows_two_plain_and_goodput(tmp_path: Path) -> None:
+    results = _sweep()
+    sv.apply_slo(results, {1024: SLO})
+    md = sv.markdown(_res(results, SLO))
+    assert "| 1024 | 16 | 2 | 10 | two_plain | 10 |" in md
+    assert md.count("| prefill_only |") == 1  # the max_tokens=1 reference, once per prompt length and rate
+    assert "| 1024 | 1 | 1 | 10 | prefill_only | 10 |" in md
+    assert "### Goodput" in md and "TTFT ≤ 500 ms, TPOT ≤ 20.0 ms" in md
+    row = next(line for line in md.splitlines() if line.startswith("| 1024 | 16 | 500 | 20.0 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[4:6] == [
+        f"1 ({results['single'][0].goodput_rps:.2f})",
+        f"2 ({results['two_plain'][1].goodput_rps:.2f})",
+    ]
+    assert cells[6:] == ["–"] * 4  # pull, push, ours, ours_grpc not run
+    written = sv.plots(_res(results, SLO), tmp_path, "t")
+    assert sorted(Path(p).name for p in written) == ["t_goodput.png", "t_tpot.png", "t_ttft.png"]
+    assert all(Path(p).stat().st_size > 0 for p in written)
+
+
+def test_markdown_without_slo_says_so() -> None:
+    results = _sweep()
+    sv.apply_slo(results, {1024: None})
+    md = sv.markdown(_res(results, None))
+    assert "SLOs unknown" in md
+    assert "| 1024 | 16 | 2 | 10 | two_plain | 10 |" in md
