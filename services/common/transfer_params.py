@@ -6,7 +6,9 @@ there, so ``parse`` is total: every value is type- and bounds-checked, and anyth
 ``LegError`` (a ``ValueError``) and nothing else.
 
 A leg minted by a scheduler with a signing key carries ``expires_at`` and ``sig``: an Ed25519
-signature over ``canonical_bytes(leg)``, every field but ``sig`` (``kvpush.services.common.leg_signing``).
+signature over ``canonical_bytes(leg)``, every field but ``sig`` and ``proof``
+(``kvpush.services.common.leg_signing``). A leg minted in a batch (``AssignStream``) also carries
+``proof``: its Merkle inclusion path, and ``sig`` is then the signature of the batch's root.
 
 Two kinds of epoch, on purpose: a leg's ``epoch`` is the scheduler's **assignment** epoch (which
 version of the assignment the leg belongs to: what a frontend passes to ``Release``, and what the
@@ -37,10 +39,15 @@ MAX_EPOCH = 1 << 53  # epochs are exact in a JSON/protobuf double
 MAX_TP_SIZE = 1024
 MAX_EXPIRES_AT = 1e11  # unix seconds (year 5138): bounds the float, not the policy
 MAX_SIG_CHARS = 128  # base64url of a 64-byte Ed25519 signature is 86
+# A batch-signed leg's Merkle inclusion proof: a version byte and up to MAX_PROOF_STEPS steps of
+# 33 bytes (a side byte and a SHA-256 sibling), base64url: 1 + 20 * 33 bytes are 881 characters.
+MAX_PROOF_STEPS = 20  # 2**20 legs in one batch; the scheduler signs at most 2 * MAX_ASSIGNS_PER_BATCH
+MAX_PROOF_CHARS = 1024
 
 _SIGNING_CONTEXT = b"kvpush.leg.v1\n"  # domain separation: these bytes sign nothing else
 _ENDPOINT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
 _SIG = re.compile(r"[A-Za-z0-9_-]*")
+_UNSIGNED_FIELDS = frozenset({"sig", "proof"})  # the signature and the path to it sign nothing
 
 
 class LegError(ValueError):
@@ -58,6 +65,7 @@ class PrefillLeg:
     epoch: int = 0  # the scheduler's assignment epoch; 0: not given (unsigned, hand-built legs)
     expires_at: float = 0.0  # unix seconds; 0: no expiry (unsigned legs)
     sig: str = ""  # base64url Ed25519 signature of canonical_bytes(leg); empty: unsigned
+    proof: str = ""  # base64url Merkle inclusion proof; set: ``sig`` signs the batch's root
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ class DecodeLeg:
     decode_engine_id: str = ""  # the engine this leg is for; empty only in unsigned, hand-built legs
     expires_at: float = 0.0
     sig: str = ""
+    proof: str = ""
 
 
 Leg = PrefillLeg | DecodeLeg
@@ -87,7 +96,8 @@ def to_params(leg: Leg) -> dict[str, Any]:
 
 
 def canonical_bytes(fields: Mapping[str, Any]) -> bytes:
-    """The bytes a leg's signature covers: every field but ``sig``, as sorted, compact, ASCII JSON.
+    """The bytes a leg's signature covers: every field but ``sig`` and ``proof``, as sorted, compact,
+    ASCII JSON (a batch-signed leg: the bytes of its Merkle leaf).
 
     ``fields`` is ``asdict(leg)`` of a parsed leg (or the scheduler's dict of the same fields, with
     the same Python types): values are normalised by ``parse`` (ints are ints, ``expires_at`` a
@@ -95,7 +105,7 @@ def canonical_bytes(fields: Mapping[str, Any]) -> bytes:
     encoder verifies the same. JSON strings, numbers and lists are unambiguous, so no two different
     legs share these bytes.
     """
-    body = {k: v for k, v in fields.items() if k != "sig"}
+    body = {k: v for k, v in fields.items() if k not in _UNSIGNED_FIELDS}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return _SIGNING_CONTEXT + text.encode("ascii")
 
@@ -126,6 +136,7 @@ def parse(params: Any) -> Leg | None:
             epoch=_int(raw, "epoch", 0, MAX_EPOCH, 0),
             expires_at=_expiry(raw),
             sig=_sig(raw),
+            proof=_proof(raw),
         )
     if role == "decode":
         tp = _int(raw, "prefill_tp_size", 1, MAX_TP_SIZE)
@@ -147,6 +158,7 @@ def parse(params: Any) -> Leg | None:
             decode_engine_id=_id(raw, "decode_engine_id", ""),
             expires_at=_expiry(raw),
             sig=_sig(raw),
+            proof=_proof(raw),
         )
     raise LegError(f"unknown kvpush role {_show(role)}")
 
@@ -244,4 +256,11 @@ def _sig(raw: Mapping[str, Any]) -> str:
     value = _get(raw, "sig", "")
     if not isinstance(value, str) or len(value) > MAX_SIG_CHARS or not _SIG.fullmatch(value):
         raise LegError("sig must be a base64url string of at most 128 characters")
+    return value
+
+
+def _proof(raw: Mapping[str, Any]) -> str:
+    value = _get(raw, "proof", "")
+    if not isinstance(value, str) or len(value) > MAX_PROOF_CHARS or not _SIG.fullmatch(value):
+        raise LegError(f"proof must be a base64url string of at most {MAX_PROOF_CHARS} characters")
     return value
