@@ -201,3 +201,44 @@ def assignment_to_pb(rec: AssignmentRecord, signer: LegSigner | None = None) -> 
             leg["expires_at"].number_value = signed["expires_at"]
             leg["sig"].string_value = signed["sig"]
     return a
+
+
+def assignments_to_pb(recs: list[AssignmentRecord], signer: LegSigner | None = None) -> list[pb.Assignment]:
+    """The Assignments of one AssignStream answer, legs signed as one batch (``fill_assignments``)."""
+    out = [pb.Assignment() for _ in recs]
+    fill_assignments(list(zip(recs, out, strict=True)), signer)
+    return out
+
+
+def fill_assignments(pairs: list[tuple[AssignmentRecord, pb.Assignment]], signer: LegSigner | None = None) -> None:
+    """Writes each record into its (empty) Assignment; with a signer, every leg of the batch is
+    signed at once (``LegSigner.seal_batch``: one signature over the Merkle root of all the legs)."""
+    key = transfer_params.KEY
+    signed: list[dict[str, Any]] = []
+    for rec, a in pairs:
+        a.transfer_id = rec.transfer_id
+        a.epoch = rec.epoch
+        a.prefill.CopyFrom(_info(rec.prefill))
+        a.decode.CopyFrom(_info(rec.decode))
+        prefill_dict, prefill_struct = _prefill_template(rec.decode, rec.prefill.engine_id)
+        decode_dict, decode_struct = _decode_template(rec.prefill, rec.decode.engine_id)
+        a.prefill_kv_transfer_params.CopyFrom(prefill_struct)
+        a.decode_kv_transfer_params.CopyFrom(decode_struct)
+        for leg in (a.prefill_kv_transfer_params, a.decode_kv_transfer_params):
+            fields = leg.fields[key].struct_value.fields
+            fields["transfer_id"].string_value = rec.transfer_id
+            fields["epoch"].number_value = rec.epoch  # exact: epochs stay below 2**53
+        if signer is not None:
+            per_assignment = {"transfer_id": rec.transfer_id, "epoch": rec.epoch}
+            signed.append({**prefill_dict[key], **per_assignment})
+            signed.append({**decode_dict[key], **per_assignment})
+    if signer is None or not signed:
+        return
+    signer.seal_batch(signed)
+    for i, (_, a) in enumerate(pairs):
+        legs = ((a.prefill_kv_transfer_params, signed[2 * i]), (a.decode_kv_transfer_params, signed[2 * i + 1]))
+        for leg, sealed in legs:
+            target = leg.fields[key].struct_value.fields
+            target["expires_at"].number_value = sealed["expires_at"]
+            target["sig"].string_value = sealed["sig"]
+            target["proof"].string_value = sealed["proof"]
