@@ -187,11 +187,16 @@ class LegSigner:
         at = self.expiry() if expires_at is None else expires_at
         for fields in legs:
             fields["expires_at"] = at
-        root, proofs = merkle_proofs([_leaf(fields) for fields in legs])
-        sig = _b64(self._key.sign(_ROOT_CONTEXT + root))
+        sig, proofs = self.sign_batch([canonical_bytes(fields) for fields in legs])
         for fields, proof in zip(legs, proofs, strict=True):
             fields["sig"] = sig
-            fields["proof"] = _b64(proof)
+            fields["proof"] = proof
+
+    def sign_batch(self, canonical: Sequence[bytes]) -> tuple[str, list[str]]:
+        """The ``sig`` and each leg's ``proof`` of a batch of legs given as their ``canonical_bytes``
+        (``expires_at`` included)."""
+        root, proofs = merkle_proofs([hashlib.sha256(_LEAF + c).digest() for c in canonical])
+        return _b64(self._key.sign(_ROOT_CONTEXT + root)), [_b64(p) for p in proofs]
 
     def sign_leg(self, leg: Leg, expires_at: float | None = None) -> Leg:
         """A signed copy of ``leg`` (tests and tools; the scheduler's hot path uses ``seal``)."""
