@@ -139,6 +139,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._subscribers: set[_Subscriber] = set()
         self._lost: dict[str, asyncio.Future[str]] = {}
         self._decision_counters: dict[tuple[str, str], Any] = {}
+        self._release_counters: dict[Outcome, Any] = {}
         self._prefill_legs: set[asyncio.Task[None]] = set()  # prefill legs sent by Reroute
         # Per decode instance (engine id, incarnation) with a load stream: leg failures to push down it.
         self._outboxes: dict[tuple[str, str], asyncio.Queue[pb.LegFailure]] = {}
@@ -479,7 +480,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             raise InvalidArgument(f"transfer_id longer than {limits.MAX_ID_CHARS} characters")
         outcome = convert.outcome_from_pb(request.outcome)
         rec = self.registry.release(request.transfer_id, request.epoch, outcome, limits.clip(request.reason))
-        self.metrics.releases.labels(outcome.value).inc()
+        counter = self._release_counters.get(outcome)
+        if counter is None:
+            counter = self._release_counters[outcome] = self.metrics.releases.labels(outcome.value)
+        counter.inc()
         self.log.debug(
             "released",
             transfer_id=rec.transfer_id,
