@@ -330,6 +330,17 @@ class _EchoScheduler(pb_grpc.SchedulerServicer):
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
         return pb.ReleaseResponse()
 
+    async def AssignStream(self, request_iterator: Any, context: Any) -> Any:
+        """One answer per batch, one empty OK result per item: the stream's own cost."""
+        async for batch in request_iterator:
+            resp = pb.AssignStreamResponse(batch_id=batch.batch_id)
+            for _ in batch.assigns:
+                self._n += 1
+                resp.assigns.add().assignment.transfer_id = str(self._n)
+            for _ in batch.releases:
+                resp.releases.add()
+            yield resp
+
 
 async def _serve_echo(address: str, certs: Path) -> None:
     """The same transport as the scheduler (mTLS), no logic and no per-method authorization."""
@@ -449,17 +460,33 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         _stop(proc)
         keys.cleanup()
-    if args.workers and args.baseline and args.unary:
+    floors = []
+    if args.workers and args.unary:
+        floors.append("unary")
+    if args.stream_workers:
+        floors.append("stream")
+    if args.baseline and floors:
         address = f"127.0.0.1:{_free_port()}"
         proc = _start(["-m", "benchmarks.scheduler", "--serve-echo", address, "--echo-certs", str(certs)])
         try:
             await _wait_serving(address, proc, certs)
             bench = Bench(address, args.channels, certs)
             await bench.register(args.decodes, args.prefills)
-            await bench.closed_loop(args.workers, 1.0)  # warm-up
-            floor = await _closed_loop_cpu(bench, proc.pid, args.workers, args.seconds)
-            floor["phase"] = f"gRPC floor (echo servicer), {args.workers} workers"
-            results.append(floor)
+            if "unary" in floors:
+                await bench.closed_loop(args.workers, 1.0)  # warm-up
+                floor = await _closed_loop_cpu(bench, proc.pid, args.workers, args.seconds)
+                floor["phase"] = f"gRPC floor (echo servicer), {args.workers} workers"
+                floor["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+                results.append(floor)
+            if "stream" in floors:
+                await bench.open_streams(args.streams, args.max_batch, args.max_in_flight)
+                for workers in sorted({1, args.stream_workers}):
+                    await bench.stream_closed_loop(workers, 1.0)  # warm-up
+                    floor = await _with_cpu(bench.stream_closed_loop(workers, args.seconds), proc.pid)
+                    floor["phase"] = f"AssignStream gRPC floor (echo servicer), {workers} callers"
+                    floor["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+                    results.append(floor)
+                await bench.close_streams()
             await bench.close()
         finally:
             _stop(proc)
