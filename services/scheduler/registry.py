@@ -327,9 +327,9 @@ class Registry:
         if old is not None and old.spec.incarnation == rec.prefill.incarnation:
             old.open.discard(transfer_id)
             old.drop_pending(transfer_id)
-        rec.tried_prefills = tried
+        rec.tried_prefills = frozenset(tried)
         rec.prefill, rec.prefill_lost = prefill.spec, ""
-        rec.earlier_epochs.add(rec.epoch)
+        rec.earlier_epochs = rec.earlier_epochs | {rec.epoch}
         rec.epoch = next(self._epochs)
         prefill.open.add(transfer_id)
         prefill.add_pending(transfer_id, 0, self.clock())
