@@ -6,10 +6,14 @@ instances that keep load streams open, then measures from many concurrent client
 * open loop: Assign at a fixed offered rate (default 1,000 req/s), with the Releases sent after the
   phase, then again with each Release right after its Assign, and at half the rate;
 * closed loop: N workers doing Assign+Release back to back (maximum throughput), with the CPU each
-  side spends per pair, then the same against a servicer without any logic (the gRPC floor).
+  side spends per pair, then the same against a servicer without any logic (the gRPC floor);
+* AssignStream (``--stream-rates``): the same open loop through one ``AssignStreamClient`` per
+  channel (each Assign and its Release coalesced with the others in flight; legs signed once per
+  batch), at each rate, then a closed loop of ``--stream-workers`` callers for the maximum.
 
 Latency is the client-observed Assign round trip. Prints a markdown table and writes JSON to
-bench-results/scheduler.json. Usage: ``python -m benchmarks.scheduler [--rate 1000 --seconds 10]``.
+bench-results/scheduler.json. Usage: ``python -m benchmarks.scheduler [--rate 1000 --seconds 10]``;
+only the streamed phases: ``--unary 0 --stream-rates 5000``.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ class Bench:
         self._n = 0
         self._streams: list[Any] = []
         self._stop = asyncio.Event()
+        self.clients: list[Any] = []  # AssignStreamClient, one per stream
 
     def stub(self) -> pb_grpc.SchedulerStub:
         self._n += 1
@@ -197,6 +202,75 @@ class Bench:
         res = _summary(f"closed loop, {workers} workers", lat, errs[0], time.perf_counter() - start, None)
         return res
 
+    async def open_streams(self, streams: int, max_batch: int, in_flight: int) -> None:
+        from kvpush.services.scheduler.assign_client import AssignStreamClient
+
+        self.clients = [
+            await AssignStreamClient(
+                self.stubs[i % len(self.stubs)], max_batch=max_batch, max_in_flight=in_flight
+            ).start()
+            for i in range(streams)
+        ]
+
+    async def close_streams(self) -> None:
+        for c in self.clients:
+            await c.close()
+        self.clients = []
+
+    async def streamed(self, lat: list[float], errs: list[int]) -> None:
+        """One Assign through a stream client (timed), then its Release queued on the same stream."""
+        from kvpush.services.scheduler.assign_client import AssignError
+
+        self._n += 1
+        client = self.clients[self._n % len(self.clients)]
+        t0 = time.perf_counter()
+        try:
+            a = await client.assign(pb.AssignRequest(prompt_tokens=512, max_tokens=128))
+        except AssignError:
+            errs[0] += 1
+            return
+        lat.append(time.perf_counter() - t0)
+        client.release(a.transfer_id, a.epoch, pb.OUTCOME_OK)
+
+    async def stream_open_loop(self, rate: float, seconds: float) -> dict[str, Any]:
+        lat: list[float] = []
+        errs = [0]
+        tasks: set[asyncio.Task[None]] = set()
+        n = int(rate * seconds)
+        batches0 = sum(c.batches for c in self.clients)
+        start = time.perf_counter()
+        i = 0
+        while i < n:
+            now = time.perf_counter()
+            # Every arrival due by now starts now (the loop wakes about every 0.2 ms).
+            due = min(n, int((now - start) * rate) + 1)
+            while i < due:
+                t = asyncio.create_task(self.streamed(lat, errs))
+                tasks.add(t)
+                t.add_done_callback(tasks.discard)
+                i += 1
+            await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+        await asyncio.gather(*tasks)
+        res = _summary("AssignStream open loop, release inline", lat, errs[0], time.perf_counter() - start, rate)
+        res["batches"] = sum(c.batches for c in self.clients) - batches0
+        return res
+
+    async def stream_closed_loop(self, workers: int, seconds: float) -> dict[str, Any]:
+        lat: list[float] = []
+        errs = [0]
+        end = time.perf_counter() + seconds
+        batches0 = sum(c.batches for c in self.clients)
+
+        async def worker() -> None:
+            while time.perf_counter() < end:
+                await self.streamed(lat, errs)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(workers)))
+        res = _summary(f"AssignStream closed loop, {workers} callers", lat, errs[0], time.perf_counter() - start, None)
+        res["batches"] = sum(c.batches for c in self.clients) - batches0
+        return res
+
     async def close(self) -> None:
         self._stop.set()
         for s in self._streams:
@@ -256,6 +330,17 @@ class _EchoScheduler(pb_grpc.SchedulerServicer):
     async def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseResponse:
         return pb.ReleaseResponse()
 
+    async def AssignStream(self, request_iterator: Any, context: Any) -> Any:
+        """One answer per batch, one empty OK result per item: the stream's own cost."""
+        async for batch in request_iterator:
+            resp = pb.AssignStreamResponse(batch_id=batch.batch_id)
+            for _ in batch.assigns:
+                self._n += 1
+                resp.assigns.add().assignment.transfer_id = str(self._n)
+            for _ in batch.releases:
+                resp.releases.add()
+            yield resp
+
 
 async def _serve_echo(address: str, certs: Path) -> None:
     """The same transport as the scheduler (mTLS), no logic and no per-method authorization."""
@@ -270,8 +355,13 @@ async def _serve_echo(address: str, certs: Path) -> None:
 
 
 async def _closed_loop_cpu(bench: Bench, pid: int, workers: int, seconds: float) -> dict[str, Any]:
+    return await _with_cpu(bench.closed_loop(workers, seconds), pid)
+
+
+async def _with_cpu(phase: Any, pid: int) -> dict[str, Any]:
+    """The phase's result with the CPU each side spent per Assign+Release pair."""
     s0, c0 = _proc_cpu_s(pid), _self_cpu_s()
-    res = await bench.closed_loop(workers, seconds)
+    res: dict[str, Any] = await phase
     n = max(1, res["completed"])
     res["server_cpu_us_per_pair"] = (_proc_cpu_s(pid) - s0) / n * 1e6
     res["client_cpu_us_per_pair"] = (_self_cpu_s() - c0) / n * 1e6
@@ -279,7 +369,8 @@ async def _closed_loop_cpu(bench: Bench, pid: int, workers: int, seconds: float)
 
 
 def _start(argv: list[str]) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # This checkout first, then whatever the caller set (a checkout's own import path for kvpush).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
     return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
 
 
@@ -343,28 +434,59 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         load_before = os.getloadavg()
         results = []
         for rate, release in ((args.rate, "after"), (args.rate, "inline"), (args.rate / 2, "inline")):
+            if not args.unary:
+                break
             before = _server_histogram(metrics_port)
-            results.append(await bench.open_loop(rate, args.seconds, release))
+            results.append(await _with_cpu(bench.open_loop(rate, args.seconds, release), proc.pid))
             results[-1]["server_side"] = _histogram_delta(before, _server_histogram(metrics_port))
-        if args.workers:
+            results[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+        if args.workers and args.unary:
             before = _server_histogram(metrics_port)
             results.append(await _closed_loop_cpu(bench, proc.pid, args.workers, args.seconds))
             results[-1]["server_side"] = _histogram_delta(before, _server_histogram(metrics_port))
+            results[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+        stream_rates = [float(r) for r in args.stream_rates.split(",") if r]
+        if stream_rates or args.stream_workers:
+            await bench.open_streams(args.streams, args.max_batch, args.max_in_flight)
+            await bench.stream_open_loop(min(stream_rates or [1000.0]), 1.0)  # warm-up
+            for rate in stream_rates:
+                results.append(await _with_cpu(bench.stream_open_loop(rate, args.seconds), proc.pid))
+                results[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+            if args.stream_workers:
+                results.append(await _with_cpu(bench.stream_closed_loop(args.stream_workers, args.seconds), proc.pid))
+                results[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+            await bench.close_streams()
         await bench.close()
     finally:
         _stop(proc)
         keys.cleanup()
-    if args.workers and args.baseline:
+    floors = []
+    if args.workers and args.unary:
+        floors.append("unary")
+    if args.stream_workers:
+        floors.append("stream")
+    if args.baseline and floors:
         address = f"127.0.0.1:{_free_port()}"
         proc = _start(["-m", "benchmarks.scheduler", "--serve-echo", address, "--echo-certs", str(certs)])
         try:
             await _wait_serving(address, proc, certs)
             bench = Bench(address, args.channels, certs)
             await bench.register(args.decodes, args.prefills)
-            await bench.closed_loop(args.workers, 1.0)  # warm-up
-            floor = await _closed_loop_cpu(bench, proc.pid, args.workers, args.seconds)
-            floor["phase"] = f"gRPC floor (echo servicer), {args.workers} workers"
-            results.append(floor)
+            if "unary" in floors:
+                await bench.closed_loop(args.workers, 1.0)  # warm-up
+                floor = await _closed_loop_cpu(bench, proc.pid, args.workers, args.seconds)
+                floor["phase"] = f"gRPC floor (echo servicer), {args.workers} workers"
+                floor["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+                results.append(floor)
+            if "stream" in floors:
+                await bench.open_streams(args.streams, args.max_batch, args.max_in_flight)
+                for workers in sorted({1, args.stream_workers}):
+                    await bench.stream_closed_loop(workers, 1.0)  # warm-up
+                    floor = await _with_cpu(bench.stream_closed_loop(workers, args.seconds), proc.pid)
+                    floor["phase"] = f"AssignStream gRPC floor (echo servicer), {workers} callers"
+                    floor["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+                    results.append(floor)
+                await bench.close_streams()
             await bench.close()
         finally:
             _stop(proc)
@@ -383,13 +505,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "prefills": args.prefills,
             "channels": args.channels,
             "seconds": args.seconds,
+            "streams": args.streams,
+            "max_batch": args.max_batch,
+            "max_in_flight": args.max_in_flight,
             "note": "client-observed Assign round trip (Releases not timed: 'inline' = sent by the same task "
             "right after its Assign, 'after' = all sent once the phase ends); scheduler in its own process, "
             "clients in this one, same host; CPU per Assign+Release pair from /proc and getrusage; the "
             "gRPC floor is the same load against a servicer without any logic",
         },
         "results": results,
-        "goal": {"rate_rps": 1000, "p99_ms": 2.0},
+        "goal": {"rate_rps": 1000, "p99_ms": 2.0, "stream_rate_rps": 5000},
     }
 
 
@@ -423,8 +548,9 @@ def _num(r: dict[str, Any], key: str) -> str:
 def _table(report: dict[str, Any]) -> str:
     rows = [
         "| phase | offered req/s | achieved req/s | completed | errors | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms "
-        "| server-side ≤ 0.25 ms | server-side ≤ 1 ms | server CPU µs/pair | client CPU µs/pair |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server-side ≤ 0.25 ms | server-side ≤ 1 ms | server CPU µs/pair | client CPU µs/pair | batches "
+        "| load avg after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
         offered = f"{r['offered_rps']:.0f}" if r["offered_rps"] else "max"
@@ -432,7 +558,8 @@ def _table(report: dict[str, Any]) -> str:
             f"| {r['phase']} | {offered} | {r['achieved_rps']:.0f} | {r['completed']} | {r['errors']} | "
             f"{r['p50_ms']:.3f} | {r['p90_ms']:.3f} | {r['p99_ms']:.3f} | {r['p999_ms']:.3f} | {r['max_ms']:.3f} | "
             f"{_share(r, 'share_le_0.25ms')} | {_share(r, 'share_le_1ms')} | "
-            f"{_num(r, 'server_cpu_us_per_pair')} | {_num(r, 'client_cpu_us_per_pair')} |"
+            f"{_num(r, 'server_cpu_us_per_pair')} | {_num(r, 'client_cpu_us_per_pair')} | {_num(r, 'batches')} | "
+            f"{r.get('loadavg_1m_after', '–')} |"
         )
     host = report["host"]
     rows.append(
@@ -451,6 +578,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--channels", type=int, default=4, help="gRPC channels the clients share")
     p.add_argument("--decodes", type=int, default=8)
     p.add_argument("--prefills", type=int, default=4)
+    p.add_argument("--unary", type=int, choices=(0, 1), default=1, help="0: skip the unary Assign phases")
+    p.add_argument("--stream-rates", default="5000", help="AssignStream open-loop rates, comma-separated ('' to skip)")
+    p.add_argument("--stream-workers", type=int, default=256, help="AssignStream closed-loop callers (0: skip)")
+    p.add_argument("--streams", type=int, default=1, help="AssignStream streams (one client each)")
+    p.add_argument("--max-batch", type=int, default=256, help="assigns per AssignStream batch at most")
+    p.add_argument("--max-in-flight", type=int, default=1, help="unanswered batches per stream at most")
     p.add_argument("--out", default=str(ROOT / "bench-results/scheduler.json"))
     p.add_argument(
         "--baseline",

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from kvpush.services.common.leg_signing import LegSigner
 from kvpush.services.common.security import Security
 from kvpush.services.scheduler.registry import LeaseConfig
 from kvpush.services.scheduler.server import SchedulerConfig, SchedulerServer
@@ -33,6 +34,7 @@ async def scheduler(
     policy: str = "p2c",
     security: Security | None = None,
     client: Security | None = None,
+    leg_signer: LegSigner | None = None,
     **servicer: Any,
 ) -> AsyncIterator[tuple[SchedulerServer, pb_grpc.SchedulerStub, grpc.aio.Channel]]:
     """``security``: the server's (None: plaintext); ``client``: the returned channel's (None:
@@ -44,6 +46,7 @@ async def scheduler(
             decode_policy=policy,
             servicer=ServicerConfig(**servicer),
             security=security,
+            leg_signer=leg_signer,
         )
     )
     await server.start()

@@ -6,6 +6,8 @@ import dataclasses
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.json_format import MessageToDict
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_scheduler_registry import spec
 
 from kvpush.services.common import transfer_params
@@ -70,3 +72,50 @@ def test_signed_legs_verify_through_both_paths() -> None:
 def test_spec_round_trip() -> None:
     s = spec("d9", tp=2)
     assert convert.spec_from_pb(convert.spec_to_pb(s)) == s
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    tid=st.text(max_size=40),
+    epoch=st.integers(0, transfer_params.MAX_EPOCH),
+    expires_at=st.floats(0, transfer_params.MAX_EXPIRES_AT),
+)
+def test_canonical_template_renders_canonical_bytes(tid: str, epoch: int, expires_at: float) -> None:
+    """The batch path's spliced bytes are exactly canonical_bytes of the same leg (any id text,
+    including quotes, backslashes and non-ASCII, any epoch, any expiry)."""
+    rec = _rec("t", 1, ("a", "b"))
+    prefill, decode = convert.leg_params(rec)
+    for params in (prefill, decode):
+        fields = params[transfer_params.KEY]
+        template = transfer_params.CanonicalTemplate(fields)
+        want = transfer_params.canonical_bytes({**fields, "transfer_id": tid, "epoch": epoch, "expires_at": expires_at})
+        assert template.render(tid, epoch, expires_at) == want
+
+
+def test_batched_assignments_carry_the_unary_legs() -> None:
+    """AssignStream's Assignments are Assign's, field for field, but for the batch signature and
+    each leg's proof; every leg verifies."""
+    signer = LegSigner(Ed25519PrivateKey.generate(), ttl_s=60, clock=lambda: 1_000_000.0)
+    verifier = LegVerifier(signer.public_key(), clock=lambda: 1_000_030.0)
+    recs = [_rec(f"t{i}", 10 + i, ("a", "b")) for i in range(5)]
+    batched = convert.assignments_to_pb(recs, signer)
+    for rec, a in zip(recs, batched, strict=True):
+        single = convert.assignment_to_pb(rec, signer)
+        assert (a.transfer_id, a.epoch, a.prefill, a.decode) == (
+            single.transfer_id,
+            single.epoch,
+            single.prefill,
+            single.decode,
+        )
+        for got, want in (
+            (a.prefill_kv_transfer_params, single.prefill_kv_transfer_params),
+            (a.decode_kv_transfer_params, single.decode_kv_transfer_params),
+        ):
+            leg = transfer_params.parse(MessageToDict(got))
+            one = transfer_params.parse(MessageToDict(want))
+            assert leg is not None and one is not None and leg.proof and not one.proof
+            assert dataclasses.replace(leg, sig="", proof="") == dataclasses.replace(one, sig="")
+            verifier.verify(leg)
+    assert len({transfer_params.parse(MessageToDict(a.decode_kv_transfer_params)).sig for a in batched}) == 1  # type: ignore[union-attr]
+    unsigned = convert.assignments_to_pb(recs)
+    assert all(not transfer_params.parse(MessageToDict(a.decode_kv_transfer_params)).sig for a in unsigned)  # type: ignore[union-attr]

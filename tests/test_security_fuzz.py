@@ -349,6 +349,16 @@ _assign = st.builds(
 _release = st.builds(pb.ReleaseRequest, transfer_id=IDS, epoch=U64, outcome=st.integers(0, 4), reason=TEXT).map(
     lambda r: ("Release", r)
 )
+_assign_stream = st.lists(
+    st.builds(
+        pb.AssignStreamRequest,
+        batch_id=U64,
+        assigns=st.lists(_assign.map(lambda m: m[1]), max_size=4),
+        releases=st.lists(_release.map(lambda m: m[1]), max_size=4),
+        max_wait_ms=st.sampled_from([0, 1, 20]),  # waits stay short: the run is bounded
+    ),
+    max_size=3,
+).map(lambda bs: ("AssignStream", bs))
 _generate = st.builds(
     pb.GenerateRequest,
     prompt_token_ids=st.one_of(st.lists(U32, max_size=20), _big_ids),
@@ -381,6 +391,18 @@ def _scheduler_call(stub: pb_grpc.SchedulerStub, method: str, request: Any) -> g
         elif method == "Assign":
             a = stub.Assign(request, timeout=10)
             stub.Release(pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK), timeout=10)
+        elif method == "AssignStream":
+            answers = list(stub.AssignStream(iter(request), timeout=10))
+            assert [a.batch_id for a in answers] == [b.batch_id for b in request]
+            for batch, answer in zip(request, answers, strict=True):
+                assert len(answer.assigns) == len(batch.assigns) and len(answer.releases) == len(batch.releases)
+                for result in answer.assigns:
+                    assert (result.code == 0) == result.HasField("assignment")
+            done = [r.assignment for a in answers for r in a.assigns if r.code == 0]
+            releases = [
+                pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK) for a in done
+            ]
+            list(stub.AssignStream(iter([pb.AssignStreamRequest(releases=releases)]), timeout=10))
         else:
             getattr(stub, method)(request, timeout=10)
 
@@ -390,7 +412,7 @@ def _scheduler_call(stub: pb_grpc.SchedulerStub, method: str, request: Any) -> g
 @FUZZ
 @given(
     calls=st.lists(
-        st.one_of(_register, _reports, _assign, _release, _generate, _watch, _list, _leg_failure),
+        st.one_of(_register, _reports, _assign, _release, _assign_stream, _generate, _watch, _list, _leg_failure),
         min_size=1,
         max_size=5,
     )

@@ -119,9 +119,10 @@ def _spray(address: str) -> None:
 
 def test_policies_and_decisions() -> None:
     """Every method of every service has a rule; the rule table says who may call what."""
-    assert len(SCHEDULER_POLICY) == 9 and len(PREFILL_AGENT_POLICY) == 1 and len(DECODE_RANK_POLICY) == 3
+    assert len(SCHEDULER_POLICY) == 10 and len(PREFILL_AGENT_POLICY) == 1 and len(DECODE_RANK_POLICY) == 3
     register = SCHEDULER_POLICY["/kvpush.v1.Scheduler/Register"]
     assign = SCHEDULER_POLICY["/kvpush.v1.Scheduler/Assign"]
+    assign_stream = SCHEDULER_POLICY["/kvpush.v1.Scheduler/AssignStream"]
     leg_failure = SCHEDULER_POLICY["/kvpush.v1.Scheduler/ReportLegFailure"]
     complete = DECODE_RANK_POLICY["/kvpush.v1.DecodeRank/Complete"]
     expect = DECODE_RANK_POLICY["/kvpush.v1.DecodeRank/Expect"]
@@ -129,6 +130,9 @@ def test_policies_and_decisions() -> None:
     assert decide(register, d0, "") is None and decide(register, p0, "") is None
     assert decide(register, fe, "")[0] is DENIED  # type: ignore[index]
     assert decide(assign, fe, "") is None and decide(assign, d0, "")[0] is DENIED  # type: ignore[index]
+    # The batched frontend API is the frontend's alone, like Assign and Release.
+    assert decide(assign_stream, fe, "") is None
+    assert decide(assign_stream, d0, "")[0] is DENIED and decide(assign_stream, p0, "")[0] is DENIED  # type: ignore[index]
     # Only a frontend reports an undelivered leg: an engine could otherwise fail others' transfers.
     assert decide(leg_failure, fe, "") is None
     assert decide(leg_failure, d0, "")[0] is DENIED and decide(leg_failure, p0, "")[0] is DENIED  # type: ignore[index]
@@ -311,6 +315,8 @@ def test_roles_bound_to_methods_on_the_scheduler(dev_certs: Path) -> None:
                     assign = stub.Assign(pb.AssignRequest(prompt_tokens=8, max_tokens=1), timeout=WAIT_S)
                     assert await _code(assign) is DENIED, name
                     assert await _code(stub.Release(pb.ReleaseRequest(transfer_id="t"), timeout=WAIT_S)) is DENIED
+                    batch = pb.AssignStreamRequest(assigns=[pb.AssignRequest(prompt_tokens=8)])
+                    assert await _code(_drain(stub.AssignStream(iter([batch]), timeout=WAIT_S))) is DENIED, name
                     failure = pb.LegFailure(transfer_id="t", prefill_engine_id="p")
                     assert await _code(stub.ReportLegFailure(failure, timeout=WAIT_S)) is DENIED
                     assert await _code(stub.ListInstances(pb.ListInstancesRequest(), timeout=WAIT_S)) is DENIED
@@ -324,6 +330,10 @@ def test_roles_bound_to_methods_on_the_scheduler(dev_certs: Path) -> None:
                     await ch.close()
             # The frontend API works for a frontend.
             assert await _code(frontend.ListInstances(pb.ListInstancesRequest(), timeout=WAIT_S)) is grpc.StatusCode.OK
+            answers = [
+                r async for r in frontend.AssignStream(iter([pb.AssignStreamRequest(batch_id=3)]), timeout=WAIT_S)
+            ]
+            assert [a.batch_id for a in answers] == [3]
 
     run(body())
 

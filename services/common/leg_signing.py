@@ -1,4 +1,17 @@
-"""Scheduler-signed legs: Ed25519 over ``transfer_params.canonical_bytes``.
+"""Scheduler-signed legs: Ed25519 over ``transfer_params.canonical_bytes``, one leg at a time or
+one batch at a time.
+
+A batch (``LegSigner.seal_batch``, the legs of one ``AssignStream`` answer) is signed once: its legs
+are the leaves of a Merkle tree (SHA-256; leaf ``H(0x00 || canonical_bytes(leg))``, node
+``H(0x01 || left || right)``, an odd node out moves up a level unchanged), the root is signed with
+Ed25519 under its own domain (``kvpush.legbatch.v1``, so a root signature is never a leg signature
+nor the reverse), and each leg carries that signature in ``sig`` and its inclusion path in
+``proof``: base64url of a version byte (1) and, leaf to root, per level with a sibling, a side byte
+(0: the sibling is on the right, 1: on the left) and the 32-byte sibling. The verifier folds the
+path into a root and checks the signature of that root, so a leg whose path leads elsewhere, or
+whose root signature is bad, is refused as ``bad_signature`` exactly as a tampered single-signed
+leg; expiry and engine checks are the same for both. A verified (root, signature) pair is cached,
+so an engine checks one Ed25519 signature per batch, not per leg.
 
 The scheduler holds the private key (``LegSigner``) and signs both legs of every assignment; each
 connector holds the public key (``LegVerifier``) and refuses a leg that is unsigned, tampered with,
@@ -14,6 +27,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import hashlib
 import os
 import stat
 import sys
@@ -28,7 +42,14 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from kvpush.services.common.logs import get_logger
-from kvpush.services.common.transfer_params import DecodeLeg, Leg, LegError, PrefillLeg, canonical_bytes
+from kvpush.services.common.transfer_params import (
+    MAX_PROOF_STEPS,
+    DecodeLeg,
+    Leg,
+    LegError,
+    PrefillLeg,
+    canonical_bytes,
+)
 
 KEY_FILE = "leg-signing.key"
 PUB_FILE = "leg-signing.pub"
@@ -36,6 +57,12 @@ DEFAULT_TTL_S = 60.0
 # A leg is accepted until expires_at + this: the scheduler's and the engines' clocks may differ by
 # this much (NTP keeps them far closer). A leg lives ttl + skew at most.
 DEFAULT_SKEW_S = 5.0
+
+_ROOT_CONTEXT = b"kvpush.legbatch.v1\n"  # domain separation: a batch root, never a leg
+_LEAF, _NODE = b"\x00", b"\x01"
+_PROOF_VERSION = 1
+_STEP = 33  # side byte + SHA-256
+_VERIFIED_ROOTS = 4096  # (root, sig) pairs a verifier remembers as good
 
 log = get_logger("leg_signing")
 
@@ -55,6 +82,60 @@ def _b64(sig: bytes) -> str:
 
 def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _leaf(fields: Mapping[str, Any]) -> bytes:
+    return hashlib.sha256(_LEAF + canonical_bytes(fields)).digest()
+
+
+def _node(left: bytes, right: bytes) -> bytes:
+    return hashlib.sha256(_NODE + left + right).digest()
+
+
+def merkle_proofs(leaves: Sequence[bytes]) -> tuple[bytes, list[bytes]]:
+    """The root over ``leaves`` (leaf hashes) and each leaf's proof bytes (version byte and steps)."""
+    if not leaves:
+        raise ValueError("a Merkle tree needs at least one leaf")
+    paths = [bytearray([_PROOF_VERSION]) for _ in leaves]
+    # Per node of the current level: the leaves under it.
+    level: list[bytes] = list(leaves)
+    under: list[list[int]] = [[i] for i in range(len(leaves))]
+    while len(level) > 1:
+        nxt: list[bytes] = []
+        nxt_under: list[list[int]] = []
+        for i in range(0, len(level) - 1, 2):
+            left, right = level[i], level[i + 1]
+            for leaf in under[i]:
+                paths[leaf] += b"\x00" + right
+            for leaf in under[i + 1]:
+                paths[leaf] += b"\x01" + left
+            nxt.append(_node(left, right))
+            nxt_under.append(under[i] + under[i + 1])
+        if len(level) % 2:
+            nxt.append(level[-1])
+            nxt_under.append(under[-1])
+        level, under = nxt, nxt_under
+    return level[0], [bytes(p) for p in paths]
+
+
+def _root_of(leaf: bytes, proof: bytes) -> bytes:
+    """Folds a proof into the root it leads to; raises LegRefused for a malformed proof."""
+    if not proof or proof[0] != _PROOF_VERSION or (len(proof) - 1) % _STEP:
+        raise LegRefused("bad_signature", "the proof is not a version 1 Merkle path")
+    steps = (len(proof) - 1) // _STEP
+    if steps > MAX_PROOF_STEPS:
+        raise LegRefused("bad_signature", f"the proof has more than {MAX_PROOF_STEPS} steps")
+    node = leaf
+    for k in range(steps):
+        at = 1 + k * _STEP
+        side, sibling = proof[at], proof[at + 1 : at + _STEP]
+        if side == 0:
+            node = _node(node, sibling)
+        elif side == 1:
+            node = _node(sibling, node)
+        else:
+            raise LegRefused("bad_signature", "the proof has a step with no side")
+    return node
 
 
 class LegSigner:
@@ -98,6 +179,25 @@ class LegSigner:
         fields["sig"] = self.sign(fields)
         return fields
 
+    def seal_batch(self, legs: Sequence[dict[str, Any]], expires_at: float | None = None) -> None:
+        """Sets ``expires_at``, ``sig`` (the batch root's signature) and ``proof`` of every leg's
+        fields in place: one Ed25519 signature for the whole batch."""
+        if not legs:
+            return
+        at = self.expiry() if expires_at is None else expires_at
+        for fields in legs:
+            fields["expires_at"] = at
+        sig, proofs = self.sign_batch([canonical_bytes(fields) for fields in legs])
+        for fields, proof in zip(legs, proofs, strict=True):
+            fields["sig"] = sig
+            fields["proof"] = proof
+
+    def sign_batch(self, canonical: Sequence[bytes]) -> tuple[str, list[str]]:
+        """The ``sig`` and each leg's ``proof`` of a batch of legs given as their ``canonical_bytes``
+        (``expires_at`` included)."""
+        root, proofs = merkle_proofs([hashlib.sha256(_LEAF + c).digest() for c in canonical])
+        return _b64(self._key.sign(_ROOT_CONTEXT + root)), [_b64(p) for p in proofs]
+
     def sign_leg(self, leg: Leg, expires_at: float | None = None) -> Leg:
         """A signed copy of ``leg`` (tests and tools; the scheduler's hot path uses ``seal``)."""
         fields = self.seal(asdict(leg), expires_at)
@@ -116,6 +216,7 @@ class LegVerifier:
         self._key = public_key
         self.skew_s = skew_s
         self._clock = clock
+        self._roots: set[tuple[bytes, bytes]] = set()  # (root, sig) pairs whose signature verified
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], skew_s: float = DEFAULT_SKEW_S) -> LegVerifier:
@@ -136,13 +237,33 @@ class LegVerifier:
             sig = _unb64(leg.sig)
         except (binascii.Error, ValueError) as exc:
             raise LegRefused("bad_signature", "the signature is not base64url") from exc
-        try:
-            self._key.verify(sig, canonical_bytes(asdict(leg)))
-        except InvalidSignature as exc:
-            raise LegRefused("bad_signature", "the signature does not match the leg") from exc
+        fields = asdict(leg)
+        if leg.proof:
+            self._verify_batched(sig, fields, leg.proof)
+        else:
+            try:
+                self._key.verify(sig, canonical_bytes(fields))
+            except InvalidSignature as exc:
+                raise LegRefused("bad_signature", "the signature does not match the leg") from exc
         now = self._clock()
         if leg.expires_at + self.skew_s < now:
             raise LegRefused("expired", f"expired {now - leg.expires_at:.1f} s ago")
+
+    def _verify_batched(self, sig: bytes, fields: Mapping[str, Any], proof_text: str) -> None:
+        try:
+            proof = _unb64(proof_text)
+        except (binascii.Error, ValueError) as exc:
+            raise LegRefused("bad_signature", "the proof is not base64url") from exc
+        root = _root_of(_leaf(fields), proof)
+        if (root, sig) in self._roots:
+            return
+        try:
+            self._key.verify(sig, _ROOT_CONTEXT + root)
+        except InvalidSignature as exc:
+            raise LegRefused("bad_signature", "the proof does not lead to a root the signature signs") from exc
+        if len(self._roots) >= _VERIFIED_ROOTS:
+            self._roots.clear()  # checking a batch's signature again is only slower
+        self._roots.add((root, sig))
 
 
 def check_leg(leg: Leg, engine_id: str, role: str, verifier: LegVerifier | None) -> None:

@@ -273,6 +273,7 @@ SCHEDULER_POLICY = _policy(
         "Watch": _rule(FRONTEND),
         "Assign": _rule(FRONTEND),
         "Release": _rule(FRONTEND),
+        "AssignStream": _rule(FRONTEND),
         "Reroute": _rule(DECODE),
         "ReportLegFailure": _rule(FRONTEND),
         "Generate": _rule(FRONTEND),

@@ -6,7 +6,9 @@ there, so ``parse`` is total: every value is type- and bounds-checked, and anyth
 ``LegError`` (a ``ValueError``) and nothing else.
 
 A leg minted by a scheduler with a signing key carries ``expires_at`` and ``sig``: an Ed25519
-signature over ``canonical_bytes(leg)``, every field but ``sig`` (``kvpush.services.common.leg_signing``).
+signature over ``canonical_bytes(leg)``, every field but ``sig`` and ``proof``
+(``kvpush.services.common.leg_signing``). A leg minted in a batch (``AssignStream``) also carries
+``proof``: its Merkle inclusion path, and ``sig`` is then the signature of the batch's root.
 
 Two kinds of epoch, on purpose: a leg's ``epoch`` is the scheduler's **assignment** epoch (which
 version of the assignment the leg belongs to: what a frontend passes to ``Release``, and what the
@@ -23,6 +25,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from json.encoder import encode_basestring_ascii
 from typing import Any
 
 from kvpush.services.common import limits
@@ -37,10 +40,15 @@ MAX_EPOCH = 1 << 53  # epochs are exact in a JSON/protobuf double
 MAX_TP_SIZE = 1024
 MAX_EXPIRES_AT = 1e11  # unix seconds (year 5138): bounds the float, not the policy
 MAX_SIG_CHARS = 128  # base64url of a 64-byte Ed25519 signature is 86
+# A batch-signed leg's Merkle inclusion proof: a version byte and up to MAX_PROOF_STEPS steps of
+# 33 bytes (a side byte and a SHA-256 sibling), base64url: 1 + 20 * 33 bytes are 881 characters.
+MAX_PROOF_STEPS = 20  # 2**20 legs in one batch; the scheduler signs at most 2 * MAX_ASSIGNS_PER_BATCH
+MAX_PROOF_CHARS = 1024
 
 _SIGNING_CONTEXT = b"kvpush.leg.v1\n"  # domain separation: these bytes sign nothing else
 _ENDPOINT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
 _SIG = re.compile(r"[A-Za-z0-9_-]*")
+_UNSIGNED_FIELDS = frozenset({"sig", "proof"})  # the signature and the path to it sign nothing
 
 
 class LegError(ValueError):
@@ -61,6 +69,7 @@ class PrefillLeg:
     # First-token hand-off: prefill reports the token it samples to the scheduler, which relays it
     # to the decode engine (docs/first_token.md).
     first_token: bool = False
+    proof: str = ""  # base64url Merkle inclusion proof; set: ``sig`` signs the batch's root
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,7 @@ class DecodeLeg:
     # First-token hand-off: decode continues from the token its prefill sampled (appended to the
     # prompt once it arrives); the frontend sends this leg with one token less (docs/first_token.md).
     first_token: bool = False
+    proof: str = ""
 
 
 Leg = PrefillLeg | DecodeLeg
@@ -93,7 +103,8 @@ def to_params(leg: Leg) -> dict[str, Any]:
 
 
 def canonical_bytes(fields: Mapping[str, Any]) -> bytes:
-    """The bytes a leg's signature covers: every field but ``sig``, as sorted, compact, ASCII JSON.
+    """The bytes a leg's signature covers: every field but ``sig`` and ``proof``, as sorted, compact,
+    ASCII JSON (a batch-signed leg: the bytes of its Merkle leaf).
 
     ``fields`` is ``asdict(leg)`` of a parsed leg (or the scheduler's dict of the same fields, with
     the same Python types): values are normalised by ``parse`` (ints are ints, ``expires_at`` a
@@ -102,9 +113,45 @@ def canonical_bytes(fields: Mapping[str, Any]) -> bytes:
     legs share these bytes.
     """
     # ``first_token`` is signed only when set, so legs without the hand-off sign as they always did.
-    body = {k: v for k, v in fields.items() if k != "sig" and not (k == "first_token" and v is False)}
+    body = {k: v for k, v in fields.items() if k not in _UNSIGNED_FIELDS and not (k == "first_token" and v is False)}
     text = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
     return _SIGNING_CONTEXT + text.encode("ascii")
+
+
+class CanonicalTemplate:
+    """``canonical_bytes`` of the legs that differ from ``fields`` only in ``transfer_id``, ``epoch``
+    and ``expires_at``, by splicing those three values into the template's bytes (the scheduler's
+    batch path: no JSON encoding per leg). ``render`` equals ``canonical_bytes`` of the same fields."""
+
+    _VARIABLE = ("transfer_id", "epoch", "expires_at")
+
+    def __init__(self, fields: Mapping[str, Any]) -> None:
+        sentinels = {k: f"\x00kvpush-{k}\x00" for k in self._VARIABLE}
+        text = canonical_bytes({**fields, **sentinels})
+        marks = sorted((text.index(encode_basestring_ascii(v).encode("ascii")), k) for k, v in sentinels.items())
+        self._order = [k for _, k in marks]
+        parts: list[bytes] = []
+        at = 0
+        for pos, k in marks:
+            parts.append(text[at:pos])
+            at = pos + len(encode_basestring_ascii(sentinels[k]))
+        parts.append(text[at:])
+        self._parts = parts
+
+    def render(self, transfer_id: str, epoch: int, expires_at: float) -> bytes:
+        if type(epoch) is not int or type(expires_at) is not float or not math.isfinite(expires_at):
+            raise TypeError("epoch must be an int and expires_at a finite float")
+        values = {
+            "transfer_id": encode_basestring_ascii(transfer_id).encode("ascii"),
+            "epoch": int.__repr__(epoch).encode("ascii"),  # what json.dumps writes for them
+            "expires_at": float.__repr__(expires_at).encode("ascii"),
+        }
+        parts = self._parts
+        out = [parts[0]]
+        for i, k in enumerate(self._order):
+            out.append(values[k])
+            out.append(parts[i + 1])
+        return b"".join(out)
 
 
 def parse(params: Any) -> Leg | None:
@@ -134,6 +181,7 @@ def parse(params: Any) -> Leg | None:
             expires_at=_expiry(raw),
             sig=_sig(raw),
             first_token=_bool(raw, "first_token", False),
+            proof=_proof(raw),
         )
     if role == "decode":
         tp = _int(raw, "prefill_tp_size", 1, MAX_TP_SIZE)
@@ -156,6 +204,7 @@ def parse(params: Any) -> Leg | None:
             expires_at=_expiry(raw),
             sig=_sig(raw),
             first_token=_bool(raw, "first_token", False),
+            proof=_proof(raw),
         )
     raise LegError(f"unknown kvpush role {_show(role)}")
 
@@ -260,4 +309,11 @@ def _sig(raw: Mapping[str, Any]) -> str:
     value = _get(raw, "sig", "")
     if not isinstance(value, str) or len(value) > MAX_SIG_CHARS or not _SIG.fullmatch(value):
         raise LegError("sig must be a base64url string of at most 128 characters")
+    return value
+
+
+def _proof(raw: Mapping[str, Any]) -> str:
+    value = _get(raw, "proof", "")
+    if not isinstance(value, str) or len(value) > MAX_PROOF_CHARS or not _SIG.fullmatch(value):
+        raise LegError(f"proof must be a base64url string of at most {MAX_PROOF_CHARS} characters")
     return value

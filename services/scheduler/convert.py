@@ -206,3 +206,61 @@ def assignment_to_pb(rec: AssignmentRecord, signer: LegSigner | None = None) -> 
             leg["expires_at"].number_value = signed["expires_at"]
             leg["sig"].string_value = signed["sig"]
     return a
+
+
+def assignments_to_pb(recs: list[AssignmentRecord], signer: LegSigner | None = None) -> list[pb.Assignment]:
+    """The Assignments of one AssignStream answer, legs signed as one batch (``fill_assignments``)."""
+    out = [pb.Assignment() for _ in recs]
+    fill_assignments(list(zip(recs, out, strict=True)), signer)
+    return out
+
+
+def fill_assignments(pairs: list[tuple[AssignmentRecord, pb.Assignment]], signer: LegSigner | None = None) -> None:
+    """Writes each record into its (empty) Assignment; with a signer, every leg of the batch is
+    signed at once (``LegSigner.sign_batch``: one signature over the Merkle root of all the legs)."""
+    key = transfer_params.KEY
+    canonical: list[bytes] = []
+    patch: list[Any] = []  # per leg, the Struct fields to set expires_at, sig and proof in
+    expires_at = signer.expiry() if signer is not None else 0.0
+    for rec, a in pairs:
+        template, prefill_bytes, decode_bytes = _pair_template(rec.prefill, rec.decode)
+        a.CopyFrom(template)
+        a.transfer_id = rec.transfer_id
+        a.epoch = rec.epoch
+        for leg in (a.prefill_kv_transfer_params, a.decode_kv_transfer_params):
+            fields = leg.fields[key].struct_value.fields
+            fields["transfer_id"].string_value = rec.transfer_id
+            fields["epoch"].number_value = rec.epoch  # exact: epochs stay below 2**53
+            if signer is not None:
+                fields["expires_at"].number_value = expires_at
+                patch.append(fields)
+        if signer is not None:
+            canonical.append(prefill_bytes.render(rec.transfer_id, rec.epoch, expires_at))
+            canonical.append(decode_bytes.render(rec.transfer_id, rec.epoch, expires_at))
+    if signer is None or not canonical:
+        return
+    sig, proofs = signer.sign_batch(canonical)
+    for fields, proof in zip(patch, proofs, strict=True):
+        fields["sig"].string_value = sig
+        fields["proof"].string_value = proof
+
+
+@functools.lru_cache(maxsize=4096)
+def _pair_template(
+    prefill: InstanceSpec, decode: InstanceSpec
+) -> tuple[pb.Assignment, transfer_params.CanonicalTemplate, transfer_params.CanonicalTemplate]:
+    """The Assignment of one (prefill, decode) pair with a blank transfer id and epoch, and the
+    canonical bytes templates of its two legs."""
+    key = transfer_params.KEY
+    a = pb.Assignment()
+    a.prefill.CopyFrom(_info(prefill))
+    a.decode.CopyFrom(_info(decode))
+    prefill_dict, prefill_struct = _prefill_template(decode, prefill.engine_id)
+    decode_dict, decode_struct = _decode_template(prefill, decode.engine_id)
+    a.prefill_kv_transfer_params.CopyFrom(prefill_struct)
+    a.decode_kv_transfer_params.CopyFrom(decode_struct)
+    return (
+        a,
+        transfer_params.CanonicalTemplate(prefill_dict[key]),
+        transfer_params.CanonicalTemplate(decode_dict[key]),
+    )

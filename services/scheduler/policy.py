@@ -106,7 +106,8 @@ class LeastBusy:
             return None
         scores = [c.busyness() for c in candidates]
         best = min(scores)
-        return self._rng.choice([c for c, s in zip(candidates, scores, strict=True) if s == best])
+        ties = [c for c, s in zip(candidates, scores, strict=True) if s == best]
+        return ties[0] if len(ties) == 1 else self._rng.choice(ties)
 
 
 DECODE_POLICIES: dict[str, Callable[[], DecodePolicy]] = {

@@ -13,8 +13,8 @@ so tests can drive leases without sleeping. Changes are announced to listeners:
 from __future__ import annotations
 
 import itertools
+import os
 import time
-import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -226,21 +226,27 @@ class Registry:
         fitting: list[Instance] = []
         blocks_by_tpb: dict[int, int] = {}
         unready = 0
+        prefill_role = Role.PREFILL
+        # The hot path of every assignment: Instance.draining and .projected_free, inlined.
         for inst in self.instances.values():
-            if inst.draining:
+            load = inst.load
+            if load is not None and load.draining:
                 continue
             if not inst.ready:
                 unready += 1
                 continue
-            if inst.spec.role is Role.PREFILL:
+            spec = inst.spec
+            if spec.role is prefill_role:
                 prefills.append(inst)
                 continue
             decodes.append(inst)
-            tpb = inst.spec.tokens_per_block
+            tpb = spec.tokens_per_block
             need = blocks_by_tpb.get(tpb)
             if need is None:
                 need = blocks_by_tpb[tpb] = demand.blocks_on(tpb)
-            if inst.projected_free >= need:
+            total = spec.total_kv_blocks
+            free = total if load is None else min(load.free_blocks, total)
+            if free - inst.pending_blocks >= need:
                 fitting.append(inst)
         starting = f" ({unready} registered, not serving yet)" if unready else ""
         if not decodes:
@@ -273,7 +279,7 @@ class Registry:
                 self._close(previous, State.SUPERSEDED, "re-assigned with a newer epoch")
                 self._notify_closed(previous)
         else:
-            transfer_id = uuid.uuid4().hex
+            transfer_id = os.urandom(16).hex()  # as unique as a uuid4's hex, a fifth of its cost
         blocks = demand.blocks_on(decode.spec.tokens_per_block)
         rec = AssignmentRecord(
             transfer_id=transfer_id,
@@ -321,9 +327,9 @@ class Registry:
         if old is not None and old.spec.incarnation == rec.prefill.incarnation:
             old.open.discard(transfer_id)
             old.drop_pending(transfer_id)
-        rec.tried_prefills = tried
+        rec.tried_prefills = frozenset(tried)
         rec.prefill, rec.prefill_lost = prefill.spec, ""
-        rec.earlier_epochs.add(rec.epoch)
+        rec.earlier_epochs = rec.earlier_epochs | {rec.epoch}
         rec.epoch = next(self._epochs)
         prefill.open.add(transfer_id)
         prefill.add_pending(transfer_id, 0, self.clock())

@@ -140,6 +140,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._subscribers: set[_Subscriber] = set()
         self._lost: dict[str, asyncio.Future[str]] = {}
         self._decision_counters: dict[tuple[str, str], Any] = {}
+        self._release_counters: dict[Outcome, Any] = {}
         self._prefill_legs: set[asyncio.Task[None]] = set()  # prefill legs sent by Reroute
         # Per instance (engine id, incarnation) with a load stream: leg failures and first tokens
         # to push down it.
@@ -519,16 +520,24 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         try:
-            if not request.transfer_id:
-                raise InvalidArgument("transfer_id is required")
-            if len(request.transfer_id) > limits.MAX_ID_CHARS:
-                self.log.warning("request_refused", method="Release", code="INVALID_ARGUMENT", reason="long id")
-                raise InvalidArgument(f"transfer_id longer than {limits.MAX_ID_CHARS} characters")
-            outcome = convert.outcome_from_pb(request.outcome)
-            rec = self.registry.release(request.transfer_id, request.epoch, outcome, limits.clip(request.reason))
+            self._release(request)
         except SchedulerError as exc:
             await self._abort(context, exc)
-        self.metrics.releases.labels(outcome.value).inc()
+        return pb.ReleaseResponse()
+
+    def _release(self, request: pb.ReleaseRequest, method: str = "Release") -> None:
+        """Release's checks and effect (unary or one item of a batch); raises SchedulerError."""
+        if not request.transfer_id:
+            raise InvalidArgument("transfer_id is required")
+        if len(request.transfer_id) > limits.MAX_ID_CHARS:
+            self.log.warning("request_refused", method=method, code="INVALID_ARGUMENT", reason="long id")
+            raise InvalidArgument(f"transfer_id longer than {limits.MAX_ID_CHARS} characters")
+        outcome = convert.outcome_from_pb(request.outcome)
+        rec = self.registry.release(request.transfer_id, request.epoch, outcome, limits.clip(request.reason))
+        counter = self._release_counters.get(outcome)
+        if counter is None:
+            counter = self._release_counters[outcome] = self.metrics.releases.labels(outcome.value)
+        counter.inc()
         self.log.debug(
             "released",
             transfer_id=rec.transfer_id,
@@ -536,7 +545,87 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             state=rec.state.value,
             reason=limits.clip(request.reason),
         )
-        return pb.ReleaseResponse()
+
+    def _code(self, exc: SchedulerError) -> grpc.StatusCode:
+        if isinstance(exc, ShuttingDown):
+            return grpc.StatusCode.UNAVAILABLE
+        return _CODES.get(type(exc), grpc.StatusCode.INTERNAL)
+
+    async def AssignStream(
+        self, request_iterator: AsyncIterator[pb.AssignStreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.AssignStreamResponse]:
+        """Batches of Assign and Release, answered in order; the legs of one answer are signed once."""
+        async for batch in request_iterator:
+            if len(batch.assigns) > limits.MAX_ASSIGNS_PER_BATCH or len(batch.releases) > limits.MAX_RELEASES_PER_BATCH:
+                await self._refuse(
+                    context,
+                    "AssignStream",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"a batch holds at most {limits.MAX_ASSIGNS_PER_BATCH} assigns and "
+                    f"{limits.MAX_RELEASES_PER_BATCH} releases",
+                )
+            self._begin()
+            try:
+                response = await self._assign_batch(batch, context)
+            finally:
+                self._end()
+            yield response
+
+    async def _assign_batch(
+        self, batch: pb.AssignStreamRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AssignStreamResponse:
+        response = pb.AssignStreamResponse(batch_id=batch.batch_id)
+        ok = grpc.StatusCode.OK.value[0]
+        for release in batch.releases:
+            try:
+                self._release(release, "AssignStream")
+                response.releases.add(code=ok)
+            except SchedulerError as exc:
+                response.releases.add(code=self._code(exc).value[0], message=str(exc))
+        t0 = time.perf_counter()
+        # Queueing for capacity: within max_wait_ms of the batch's start (and the stream's deadline).
+        wait_until: float | None = None
+        if batch.max_wait_ms:
+            wait_until = time.monotonic() + batch.max_wait_ms / 1000
+            stream_left = context.time_remaining()
+            if stream_left is not None:
+                wait_until = min(wait_until, time.monotonic() + stream_left)
+        records: list[AssignmentRecord] = []
+        slots: list[pb.AssignResult] = []
+        for request in batch.assigns:
+            result = response.assigns.add()
+            try:
+                if request.prompt_tokens > _MAX_PROMPT_TOKENS:
+                    raise InvalidArgument(f"prompt_tokens {request.prompt_tokens} exceeds {_MAX_PROMPT_TOKENS}")
+                bound = _assign_out_of_bounds(request)
+                if bound is not None:
+                    self.log.warning("request_refused", method="AssignStream", code="INVALID_ARGUMENT", reason=bound)
+                    raise InvalidArgument(bound)
+                demand = Demand(request.prompt_tokens, request.max_tokens, request.prefix_hint)
+                left = None if wait_until is None else max(0.0, wait_until - time.monotonic())
+                rec = await self._admit(demand, request.transfer_id, left)
+            except SchedulerError as exc:
+                if isinstance(exc, NoCapacity):
+                    self.metrics.rejections.labels(exc.reason).inc()
+                    self.log.info("assign_rejected", reason=exc.reason, detail=str(exc))
+                result.code, result.message = self._code(exc).value[0], str(exc)
+                continue
+            finally:
+                self.metrics.assign_latency.observe(time.perf_counter() - t0)
+            self._decided(rec)
+            records.append(rec)
+            slots.append(result)
+        # An assignment closed before the answer (a later item of the batch re-assigned its transfer
+        # id, or an instance died while a later item queued) is answered FAILED_PRECONDITION.
+        live: list[tuple[AssignmentRecord, pb.Assignment]] = []
+        for rec, slot in zip(records, slots, strict=True):
+            if rec.state is State.OPEN:
+                live.append((rec, slot.assignment))
+            else:
+                slot.code = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+                slot.message = f"transfer {rec.transfer_id!r} closed before the batch was answered: {rec.reason}"
+        convert.fill_assignments(live, self.signer)
+        return response
 
     async def ReportLegFailure(self, request: pb.LegFailure, context: grpc.aio.ServicerContext) -> pb.LegFailureAck:
         if (

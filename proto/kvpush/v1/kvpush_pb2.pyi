@@ -1286,6 +1286,132 @@ class ReleaseResponse(_message.Message):
 Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
 
 @_typing.final
+class AssignStreamRequest(_message.Message):
+    """One batch on AssignStream (bounds: services/common/limits.py, MAX_ASSIGNS_PER_BATCH and
+    MAX_RELEASES_PER_BATCH; a batch over them ends the stream with INVALID_ARGUMENT).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_ID_FIELD_NUMBER: _builtins.int
+    ASSIGNS_FIELD_NUMBER: _builtins.int
+    RELEASES_FIELD_NUMBER: _builtins.int
+    MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
+    batch_id: _builtins.int
+    """echoed in the response"""
+    max_wait_ms: _builtins.int
+    """How long an assign that finds no capacity may wait for it (capped by the scheduler's
+    --max-queue-s); 0: no wait, RESOURCE_EXHAUSTED at once (Assign without a deadline). Later
+    batches on the same stream wait behind a waiting one.
+    """
+    @_builtins.property
+    def assigns(self) -> _containers.RepeatedCompositeFieldContainer[Global___AssignRequest]:
+        """handled after the releases, in order"""
+
+    @_builtins.property
+    def releases(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReleaseRequest]:
+        """handled first, in order"""
+
+    def __init__(
+        self,
+        *,
+        batch_id: _builtins.int = ...,
+        assigns: _abc.Iterable[Global___AssignRequest] | None = ...,
+        releases: _abc.Iterable[Global___ReleaseRequest] | None = ...,
+        max_wait_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigns", b"assigns", "batch_id", b"batch_id", "max_wait_ms", b"max_wait_ms", "releases", b"releases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AssignStreamRequest: _TypeAlias = AssignStreamRequest  # noqa: Y015
+
+@_typing.final
+class AssignResult(_message.Message):
+    """One result per item: code 0 (OK) or the grpc.StatusCode value the unary call would have ended with."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    ASSIGNMENT_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    message: _builtins.str
+    @_builtins.property
+    def assignment(self) -> Global___Assignment:
+        """set when code is 0"""
+
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        assignment: Global___Assignment | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AssignResult: _TypeAlias = AssignResult  # noqa: Y015
+
+@_typing.final
+class ReleaseResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseResult: _TypeAlias = ReleaseResult  # noqa: Y015
+
+@_typing.final
+class AssignStreamResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BATCH_ID_FIELD_NUMBER: _builtins.int
+    ASSIGNS_FIELD_NUMBER: _builtins.int
+    RELEASES_FIELD_NUMBER: _builtins.int
+    batch_id: _builtins.int
+    @_builtins.property
+    def assigns(self) -> _containers.RepeatedCompositeFieldContainer[Global___AssignResult]:
+        """aligned with AssignStreamRequest.assigns"""
+
+    @_builtins.property
+    def releases(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReleaseResult]:
+        """aligned with AssignStreamRequest.releases"""
+
+    def __init__(
+        self,
+        *,
+        batch_id: _builtins.int = ...,
+        assigns: _abc.Iterable[Global___AssignResult] | None = ...,
+        releases: _abc.Iterable[Global___ReleaseResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigns", b"assigns", "batch_id", b"batch_id", "releases", b"releases"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AssignStreamResponse: _TypeAlias = AssignStreamResponse  # noqa: Y015
+
+@_typing.final
 class RerouteRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

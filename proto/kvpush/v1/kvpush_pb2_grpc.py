@@ -320,6 +320,11 @@ class SchedulerStub:
                 request_serializer=kvpush_dot_v1_dot_kvpush__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.AssignStream = channel.stream_stream(
+                '/kvpush.v1.Scheduler/AssignStream',
+                request_serializer=kvpush_dot_v1_dot_kvpush__pb2.AssignStreamRequest.SerializeToString,
+                response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.AssignStreamResponse.FromString,
+                _registered_method=True)
         self.Reroute = channel.unary_unary(
                 '/kvpush.v1.Scheduler/Reroute',
                 request_serializer=kvpush_dot_v1_dot_kvpush__pb2.RerouteRequest.SerializeToString,
@@ -376,6 +381,18 @@ class SchedulerServicer:
 
     def Release(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AssignStream(self, request_iterator, context):
+        """Assign and Release at fleet rates: one long-lived stream per frontend, each message a batch of
+        Assign and Release requests, each answer the batch's results in order. Every assignment of one
+        answer carries legs signed together (one Ed25519 signature over a Merkle root of the batch's
+        legs; each leg carries its inclusion proof). Semantics are Assign's and Release's, item by item;
+        the stream's end releases nothing (an assignment stays open until Release, on any stream or
+        unary, or its TTL). Frontend identities only.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -443,6 +460,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.ReleaseRequest.FromString,
                     response_serializer=kvpush_dot_v1_dot_kvpush__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'AssignStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.AssignStream,
+                    request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.AssignStreamRequest.FromString,
+                    response_serializer=kvpush_dot_v1_dot_kvpush__pb2.AssignStreamResponse.SerializeToString,
             ),
             'Reroute': grpc.unary_unary_rpc_method_handler(
                     servicer.Reroute,
@@ -582,6 +604,33 @@ class Scheduler:
             '/kvpush.v1.Scheduler/Release',
             kvpush_dot_v1_dot_kvpush__pb2.ReleaseRequest.SerializeToString,
             kvpush_dot_v1_dot_kvpush__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AssignStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/kvpush.v1.Scheduler/AssignStream',
+            kvpush_dot_v1_dot_kvpush__pb2.AssignStreamRequest.SerializeToString,
+            kvpush_dot_v1_dot_kvpush__pb2.AssignStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

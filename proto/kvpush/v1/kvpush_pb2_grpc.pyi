@@ -178,6 +178,14 @@ class SchedulerStub:
     """
     Assign: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.AssignRequest, _kvpush_pb2.Assignment]
     Release: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.ReleaseRequest, _kvpush_pb2.ReleaseResponse]
+    AssignStream: _grpc.StreamStreamMultiCallable[_kvpush_pb2.AssignStreamRequest, _kvpush_pb2.AssignStreamResponse]
+    """Assign and Release at fleet rates: one long-lived stream per frontend, each message a batch of
+    Assign and Release requests, each answer the batch's results in order. Every assignment of one
+    answer carries legs signed together (one Ed25519 signature over a Merkle root of the batch's
+    legs; each leg carries its inclusion proof). Semantics are Assign's and Release's, item by item;
+    the stream's end releases nothing (an assignment stays open until Release, on any stream or
+    unary, or its TTL). Frontend identities only.
+    """
     Reroute: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.RerouteRequest, _kvpush_pb2.RerouteResponse]
     """Retry elsewhere: the decode engine of an open assignment reports that its transfer failed before
     decode started (the prefill died, a WRITE failed, the prefill refused). The scheduler picks
@@ -212,6 +220,14 @@ class SchedulerAsyncStub(SchedulerStub):
     """
     Assign: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.AssignRequest, _kvpush_pb2.Assignment]  # type: ignore[assignment]
     Release: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.ReleaseRequest, _kvpush_pb2.ReleaseResponse]  # type: ignore[assignment]
+    AssignStream: _aio.StreamStreamMultiCallable[_kvpush_pb2.AssignStreamRequest, _kvpush_pb2.AssignStreamResponse]  # type: ignore[assignment]
+    """Assign and Release at fleet rates: one long-lived stream per frontend, each message a batch of
+    Assign and Release requests, each answer the batch's results in order. Every assignment of one
+    answer carries legs signed together (one Ed25519 signature over a Merkle root of the batch's
+    legs; each leg carries its inclusion proof). Semantics are Assign's and Release's, item by item;
+    the stream's end releases nothing (an assignment stays open until Release, on any stream or
+    unary, or its TTL). Frontend identities only.
+    """
     Reroute: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.RerouteRequest, _kvpush_pb2.RerouteResponse]  # type: ignore[assignment]
     """Retry elsewhere: the decode engine of an open assignment reports that its transfer failed before
     decode started (the prefill died, a WRITE failed, the prefill refused). The scheduler picks
@@ -267,6 +283,20 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         request: _kvpush_pb2.ReleaseRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_kvpush_pb2.ReleaseResponse, _abc.Awaitable[_kvpush_pb2.ReleaseResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def AssignStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_kvpush_pb2.AssignStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_kvpush_pb2.AssignStreamResponse], _abc.AsyncIterator[_kvpush_pb2.AssignStreamResponse]]:
+        """Assign and Release at fleet rates: one long-lived stream per frontend, each message a batch of
+        Assign and Release requests, each answer the batch's results in order. Every assignment of one
+        answer carries legs signed together (one Ed25519 signature over a Merkle root of the batch's
+        legs; each leg carries its inclusion proof). Semantics are Assign's and Release's, item by item;
+        the stream's end releases nothing (an assignment stays open until Release, on any stream or
+        unary, or its TTL). Frontend identities only.
+        """
 
     @_abc_1.abstractmethod
     def Reroute(

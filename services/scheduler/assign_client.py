@@ -1,0 +1,206 @@
+"""A frontend's side of ``Scheduler.AssignStream``: many concurrent ``assign`` calls, few messages.
+
+``AssignStreamClient`` keeps one stream open and coalesces what its callers ask for: every Assign
+and Release queued while earlier batches are on the wire leaves in the next batch (at most
+``max_batch`` assigns), so an idle frontend pays one round trip per Assign and a busy one a
+fraction of a message per Assign, without a timer adding latency. At most ``max_in_flight``
+batches are unanswered at once.
+
+A broken stream fails every unanswered ``assign`` with ``AssignError`` (the stream's code, e.g.
+UNAVAILABLE) and the client is closed; the assignments it made stay open on the scheduler until
+released (by any client) or their TTL. Releases are sent without waiting for their results; one
+that fails is logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import grpc
+
+from kvpush.services.common import limits
+from kvpush.services.common.logs import get_logger
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+
+log = get_logger("kvpush.assign_client")
+
+
+class AssignError(Exception):
+    """An assign (or the stream) ended with a status other than OK."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def status_code(value: int) -> grpc.StatusCode:
+    return _BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
+
+
+@dataclass
+class _Sent:
+    assigns: list[asyncio.Future[pb.Assignment]]
+    releases: list[pb.ReleaseRequest] = field(default_factory=list)
+
+
+class AssignStreamClient:
+    def __init__(
+        self,
+        stub: pb_grpc.SchedulerStub,
+        *,
+        max_batch: int = limits.MAX_ASSIGNS_PER_BATCH,
+        max_in_flight: int = 1,
+        max_wait_ms: int = 0,
+    ) -> None:
+        if not 1 <= max_batch <= limits.MAX_ASSIGNS_PER_BATCH:
+            raise ValueError(f"max_batch must be in 1..{limits.MAX_ASSIGNS_PER_BATCH}")
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be >= 1")
+        self._stub = stub
+        self.max_batch = max_batch
+        self.max_in_flight = max_in_flight
+        self.max_wait_ms = max_wait_ms
+        self._assigns: list[tuple[pb.AssignRequest, asyncio.Future[pb.Assignment]]] = []
+        self._releases: list[pb.ReleaseRequest] = []
+        self._sent: dict[int, _Sent] = {}
+        self._next_id = 1
+        self._wake = asyncio.Event()
+        self._answered = asyncio.Event()  # set on every answer and when the stream fails
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._error: AssignError | None = None
+        self.batches = 0  # batches sent (for benchmarks and tests)
+
+    async def start(self) -> AssignStreamClient:
+        self._call = self._stub.AssignStream()
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._send_loop()), loop.create_task(self._read_loop())]
+        return self
+
+    async def __aenter__(self) -> AssignStreamClient:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def assign(self, request: pb.AssignRequest) -> pb.Assignment:
+        """The assignment for ``request``; raises AssignError with the code the unary Assign would
+        have ended with (or the stream's, when it broke)."""
+        if self._error is not None:
+            raise self._error
+        fut: asyncio.Future[pb.Assignment] = asyncio.get_running_loop().create_future()
+        self._assigns.append((request, fut))
+        self._wake.set()
+        return await fut
+
+    def release(self, transfer_id: str, epoch: int, outcome: pb.Outcome.ValueType, reason: str = "") -> None:
+        """Queues a Release for the next batch (no result is waited for)."""
+        if self._error is not None:
+            raise self._error
+        self._releases.append(pb.ReleaseRequest(transfer_id=transfer_id, epoch=epoch, outcome=outcome, reason=reason))
+        self._wake.set()
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Sends what is queued and waits (up to ``timeout_s``) for the answers, then ends the stream."""
+        if self._call is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._flush(), timeout_s)
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+                await task
+        if self._call is not None:
+            self._call.cancel()
+        self._fail(AssignError(grpc.StatusCode.CANCELLED, "the client was closed"))
+
+    async def _flush(self) -> None:
+        while self._error is None and (self._assigns or self._releases or self._sent):
+            self._wake.set()
+            self._answered.clear()
+            await self._answered.wait()
+
+    async def _send_loop(self) -> None:
+        assert self._call is not None
+        try:
+            while True:
+                await self._wake.wait()
+                self._wake.clear()
+                while (self._assigns or self._releases) and len(self._sent) < self.max_in_flight:
+                    taken, self._assigns = self._assigns[: self.max_batch], self._assigns[self.max_batch :]
+                    releases = self._releases[: limits.MAX_RELEASES_PER_BATCH]
+                    self._releases = self._releases[limits.MAX_RELEASES_PER_BATCH :]
+                    batch_id = self._next_id
+                    self._next_id += 1
+                    msg = pb.AssignStreamRequest(batch_id=batch_id, max_wait_ms=self.max_wait_ms, releases=releases)
+                    msg.assigns.extend(req for req, _ in taken)
+                    self._sent[batch_id] = _Sent([fut for _, fut in taken], releases)
+                    self.batches += 1
+                    await self._call.write(msg)
+        except grpc.aio.AioRpcError as exc:
+            self._fail(AssignError(exc.code(), exc.details() or ""))
+        except asyncio.InvalidStateError:  # the call already ended; the reader reports why
+            pass
+
+    async def _read_loop(self) -> None:
+        assert self._call is not None
+        try:
+            while True:
+                response = await self._call.read()
+                if response is grpc.aio.EOF:
+                    self._fail(AssignError(grpc.StatusCode.UNAVAILABLE, "the scheduler ended the stream"))
+                    return
+                self._answer(response)
+        except grpc.aio.AioRpcError as exc:
+            self._fail(AssignError(exc.code(), exc.details() or ""))
+        finally:
+            # Cancelled (the call or this task): nobody may keep waiting for an answer.
+            self._fail(AssignError(grpc.StatusCode.CANCELLED, "the stream was cancelled"))
+
+    def _answer(self, response: pb.AssignStreamResponse) -> None:
+        sent = self._sent.pop(response.batch_id, None)
+        if sent is None:
+            log.warning("assign_stream_unknown_batch", batch_id=response.batch_id)
+            return
+        for fut, result in zip(sent.assigns, response.assigns, strict=False):
+            if fut.done():
+                continue
+            if result.code == 0:
+                fut.set_result(result.assignment)
+            else:
+                fut.set_exception(AssignError(status_code(result.code), result.message))
+        for fut in sent.assigns[len(response.assigns) :]:
+            if not fut.done():
+                fut.set_exception(AssignError(grpc.StatusCode.INTERNAL, "the answer has no result for this assign"))
+        for req, res in zip(sent.releases, response.releases, strict=False):
+            if res.code != 0:
+                log.warning(
+                    "release_failed",
+                    transfer_id=req.transfer_id,
+                    code=status_code(res.code).name,
+                    reason=limits.clip(res.message),
+                )
+        self._answered.set()
+        if self._assigns or self._releases:
+            self._wake.set()
+
+    def _fail(self, error: AssignError) -> None:
+        if self._error is None:
+            self._error = error
+        for sent in self._sent.values():
+            for fut in sent.assigns:
+                if not fut.done():
+                    fut.set_exception(error)
+        self._sent.clear()
+        for _, fut in self._assigns:
+            if not fut.done():
+                fut.set_exception(error)
+        self._assigns.clear()
+        self._answered.set()
