@@ -19,6 +19,7 @@ from kvpush.connector.sampler_state import WORKER_QUALNAME
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.transfer_params import DecodeLeg, PrefillLeg
 from kvpush.services.decode_agent.agent import DecodeAgent, DecodeAgentConfig
+from kvpush.services.decode_agent.metrics import FIRST_TOKENS
 from kvpush.services.decode_agent.reroute import Rerouter
 from kvpush.v1 import kvpush_pb2 as pb
 
@@ -197,6 +198,7 @@ class DecodeScheduler:
             _, leg_prefill, request = want
             current = self.agent.prefill_of(tid) if self.agent is not None else None
             if ft.prefill_engine_id not in (leg_prefill, current):
+                FIRST_TOKENS.labels("refused").inc()
                 log.warning(
                     "first_token_refused",
                     transfer_id=tid,
@@ -212,7 +214,8 @@ class DecodeScheduler:
             self._delivered.append(rid)
             if _is_seeded(request):
                 self._advance.add(rid)
-            log.debug("first_token_appended", transfer_id=tid, request_id=rid, token=ft.token_id)
+            FIRST_TOKENS.labels("appended").inc()
+            log.info("first_token_appended", transfer_id=tid, request_id=rid, prefill=ft.prefill_engine_id)
 
     def _leg_failures(self, failures: list[pb.LegFailure]) -> None:
         """Undelivered prefill legs, from the scheduler: those transfers fail over now."""

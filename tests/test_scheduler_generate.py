@@ -441,6 +441,8 @@ def test_generate_streams_prefills_first_token_and_decode_continues() -> None:
             assert server.registry.closed[first.transfer_id].state is State.OK
             sample = server.metrics.registry.get_sample_value
             assert sample("kvpush_scheduler_first_tokens_total", {"result": "relayed"}) == 1
+            for phase in ("assign", "first_token", "second_token"):
+                assert sample("kvpush_scheduler_generate_phase_seconds_count", {"phase": phase}) == 1
             assert not server.servicer._first_token_waiters
 
     run(body())

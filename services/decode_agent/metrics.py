@@ -21,3 +21,8 @@ DEADLINES = Counter("kvpush_decode_transfer_deadlines_total", "Published transfe
 REROUTES = Counter(
     "kvpush_decode_reroutes_total", "Failed transfers the decode agent asked to retry elsewhere, by result", ["result"]
 )
+FIRST_TOKENS = Counter(
+    "kvpush_decode_first_tokens_total",
+    "First-token hand-off: relayed tokens appended to a waiting request, or refused",
+    ["outcome"],
+)

@@ -92,6 +92,15 @@ class Metrics:
             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0),
             registry=r,
         )
+        self.generate_phase = Histogram(
+            "kvpush_scheduler_generate_phase_seconds",
+            "Generate, per phase: assign (admission and choice), first_token (legs sent to the first "
+            "token: prefill's, relayed, with the hand-off), second_token (first to second token: "
+            "decode's part of the hand-off)",
+            ["phase"],
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+            registry=r,
+        )
         r.register(_RegistryCollector(registry))
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:

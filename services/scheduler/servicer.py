@@ -777,6 +777,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         outcome, reason, tokens = Outcome.FAILED, "", 0
         status: tuple[grpc.StatusCode, str] | None = None
         first = True
+        t_legs = t_first = time.perf_counter()
+        phase = self.metrics.generate_phase
+        phase.labels("assign").observe(t_legs - t0)
         try:
             async for chunk in run_legs(
                 self.client,
@@ -795,6 +798,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     decode_engine_id=rec.decode.engine_id,
                     prefill_engine_id=rec.prefill.engine_id,
                 )
+                if chunk.token_ids and tokens <= 1:
+                    now = time.perf_counter()
+                    if tokens == 0:
+                        t_first = now
+                        phase.labels("first_token").observe(now - t_legs)
+                    else:
+                        phase.labels("second_token").observe(now - t_first)
                 if first and chunk.token_ids:
                     first = False
                     msg.ttft_seconds = time.perf_counter() - t0

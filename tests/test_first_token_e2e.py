@@ -1,0 +1,111 @@
+"""First-token hand-off on real vLLM (1P1D through ``Generate``, against one plain vLLM): the first
+token is prefill's and decode continues from it, and the output is still exactly the single
+instance's, greedy on prompts chosen for near ties and seeded sampling."""
+
+from __future__ import annotations
+
+import json
+import random
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvpush.services.common.vllm_server import VllmServer, model_name
+from scripts.cluster.pd import PDCluster, pd_cluster
+
+pytestmark = pytest.mark.vllm
+
+MAX_TOKENS = 8
+SCREENED = 48  # random prompts screened for near ties on the single instance
+NEAR_TIES = 6  # the closest of them go through P/D
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
+    with pd_cluster(tiny_model_dir, tmp_path_factory.mktemp("first-token-logs")) as c:
+        yield c
+
+
+def _complete(server: VllmServer, prompt: list[int], max_tokens: int, **kw: Any) -> dict[str, Any]:
+    body = {
+        "model": model_name(server.base_url),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **kw,
+    }
+    req = urllib.request.Request(
+        f"{server.base_url}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        out: dict[str, Any] = json.load(resp)
+    return out
+
+
+def _tokens(resp: dict[str, Any]) -> list[int]:
+    return [int(t) for t in resp["choices"][0]["token_ids"]]
+
+
+def _gap(resp: dict[str, Any], position: int) -> float:
+    """Log-probability margin of the greedy token over the runner-up at ``position``."""
+    top = sorted(resp["choices"][0]["logprobs"]["top_logprobs"][position].values(), reverse=True)
+    return float(top[0] - top[1])
+
+
+def _appended(server: VllmServer) -> int:
+    """First tokens the decode engine appended to a waiting request's prompt (its log events)."""
+    return server.log_path.read_text(errors="replace").count("first_token_appended")
+
+
+def _random_prompt(rng: random.Random, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(rng.randrange(40, 700))]
+
+
+def test_near_ties_greedy_equal_single_instance_and_continue_from_prefills_token(cluster: PDCluster) -> None:
+    """The prompts whose first two tokens are the closest calls on the single instance (where
+    batch-dependent numerics would most likely flip a token): P/D outputs equal it exactly, and
+    decode ran each with the first token appended to its prompt, so it continued from prefill's
+    token instead of sampling its own."""
+    assert cluster.baseline is not None
+    rng = random.Random(20261201)
+    screened = []
+    for _ in range(SCREENED):
+        prompt = _random_prompt(rng, 1000)
+        resp = _complete(cluster.baseline, prompt, 2, logprobs=2, return_tokens_as_token_ids=True)
+        screened.append((min(_gap(resp, 0), _gap(resp, 1)), prompt))
+    screened.sort(key=lambda x: x[0])
+    chosen = [p for _, p in screened[:NEAR_TIES]]
+    assert screened[NEAR_TIES - 1][0] < screened[-1][0]  # they are the closer calls
+    before = _appended(cluster.decode)
+    for prompt in chosen:
+        want = _tokens(_complete(cluster.baseline, prompt, MAX_TOKENS))
+        got, ttft = cluster.generate(prompt, MAX_TOKENS)
+        assert got == want, f"prompt of {len(prompt)} tokens"
+        assert ttft > 0
+    # Decode appended prefill's first token to each request's prompt: it continued from it.
+    assert _appended(cluster.decode) - before == len(chosen)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_seeded_sampling_equals_single_instance(cluster: PDCluster, temperature: float) -> None:
+    """Decode's sampler is advanced past prefill's draw, so every later token is drawn as on one
+    instance: a seeded request gives the same tokens, and different seeds different ones."""
+    assert cluster.baseline is not None
+    rng = random.Random(7)
+    outputs = set()
+    for i in range(4):
+        prompt = _random_prompt(rng, 1000)
+        seed = 1000 + i
+        want = _tokens(_complete(cluster.baseline, prompt, MAX_TOKENS, temperature=temperature, seed=seed))
+        got = cluster.generate_timed(prompt, MAX_TOKENS, temperature=temperature, seed=seed).tokens
+        assert got == want, f"seed {seed}, prompt of {len(prompt)} tokens"
+        outputs.add(tuple(got))
+    assert len(outputs) > 1
