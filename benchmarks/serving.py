@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import copy
 import json
 import math
 import os
@@ -57,8 +58,8 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-SETUPS = ("single", "two_plain", "pull", "push", "ours", "ours_grpc")  # result names, report order
-PAIRS = ("pull", "push", "ours")  # P/D pairs to start; ``ours`` serves ``ours`` and ``ours_grpc``
+SETUPS = ("single", "two_plain", "pull", "push", "ours", "ours_ft", "ours_grpc")  # result names, report order
+PAIRS = ("pull", "push", "ours")  # P/D pairs to start; ``ours`` serves ``ours``, ``ours_ft`` and ``ours_grpc``
 KINDS = ("single", "two_plain", *PAIRS)  # what ``--setups`` names
 LABELS = {
     "single": "single instance",
@@ -67,6 +68,7 @@ LABELS = {
     "pull": "vLLM NixlConnector (pull), sequential proxy",
     "push": "vLLM NixlPushConnector, concurrent proxy",
     "ours": "kvpush, Assign + concurrent proxy",
+    "ours_ft": "kvpush, Assign + concurrent proxy, first token from prefill",
     "ours_grpc": "kvpush, scheduler Generate (gRPC)",
 }
 GOAL_TTFT_VS_PUSH = 0.7
@@ -533,6 +535,56 @@ def ours_proxy(c: Client, stub: Any) -> Proxy:
                 rid,
                 s,
             )
+            outcome = pb.OUTCOME_OK
+        finally:
+            with contextlib.suppress(Exception):
+                await stub.Release(
+                    pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=outcome), timeout=10
+                )
+
+    return run
+
+
+def ours_ft_proxy(c: Client, stub: Any) -> Proxy:
+    """``ours`` with the first-token hand-off, as a custom frontend does it (docs/first_token.md):
+    Assign asking for it, both legs at once, decode asked for one token less; the first token is
+    prefill's answer, then decode's tokens follow."""
+    from google.protobuf.json_format import MessageToDict
+
+    from kvpush.v1 import kvpush_pb2 as pb
+
+    async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
+        if max_tokens < 2:
+            raise RuntimeError("ours_ft needs max_tokens >= 2")
+        rid = uuid.uuid4().hex
+        req = pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=max_tokens, first_token_from_prefill=True)
+        a = await stub.Assign(req, timeout=30)
+        s.transfer_id = a.transfer_id
+        outcome = pb.OUTCOME_FAILED
+        first_at: list[float] = []
+
+        async def prefill() -> None:
+            answer = await c.once(a.prefill.http_endpoint, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), rid)
+            if not answer["choices"][0].get("token_ids"):
+                raise RuntimeError("prefill answered no token")
+            first_at.append(time.monotonic())
+
+        try:
+            if not a.first_token_from_prefill:
+                raise RuntimeError("the scheduler did not grant the first-token hand-off")
+            task = asyncio.create_task(prefill())
+            rest = copy.copy(s)
+            try:
+                params = MessageToDict(a.decode_kv_transfer_params)
+                await c.stream(a.decode.http_endpoint, prompt, max_tokens - 1, params, rid, rest)
+                await task
+            finally:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+            first_d = rest.sent + rest.ttft
+            last_d = first_d + (rest.tpot * (rest.tokens - 1) if rest.tokens > 1 else 0.0)
+            record(s, min(first_at[0], first_d), last_d, rest.tokens + 1, max_tokens)
             outcome = pb.OUTCOME_OK
         finally:
             with contextlib.suppress(Exception):
@@ -1060,6 +1112,9 @@ async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[P
                     proxy = ours_proxy(client, stub)
                     await warm_up(proxy, h)
                     out["ours"] = await measure("ours", proxy, pts, h, logs)
+                    ft = ours_ft_proxy(client, stub)
+                    await warm_up(ft, h)
+                    out["ours_ft"] = await measure("ours_ft", ft, pts, h, logs)
                     if not a.no_grpc:
                         gen = grpc_proxy(stub)
                         await warm_up(gen, h)
@@ -1086,14 +1141,14 @@ def derive(results: dict[str, list[PointResult]], raw: dict[int, dict[str, float
             "prefill_only_ttft_p50_ms": pre.ttft_p50_ms if pre else math.nan,
             "single_tpot_p50_ms": single.tpot_p50_ms,
         }
-        for name in ("pull", "push", "ours", "ours_grpc"):
+        for name in ("pull", "push", "ours", "ours_ft", "ours_grpc"):
             r = by.get(name, {}).get((length, out, rate))
             if r is None:
                 continue
             handoff = r.ttft_p50_ms - row["prefill_only_ttft_p50_ms"] - single.tpot_p50_ms
             row[f"handoff_{name}_ms"] = handoff
             row[f"sustained_{name}"] = r.sustained
-        for ours in ("ours", "ours_grpc"):
+        for ours in ("ours", "ours_ft", "ours_grpc"):
             o = by.get(ours, {}).get((length, out, rate))
             for up in ("push", "pull"):
                 u = by.get(up, {}).get((length, out, rate))
@@ -1279,7 +1334,7 @@ def markdown(res: dict[str, Any]) -> str:
         "D release → first token |",
         "|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for name in ("ours", "ours_grpc"):
+    for name in ("ours", "ours_ft", "ours_grpc"):
         for r in results.get(name, []):
             ph = r.get("phases") or {}
             lines.append(

@@ -119,7 +119,10 @@ class DecodeScheduler:
         self._vocab = int(model_config.get_vocab_size()) if model_config is not None else 2**31
         self._token_lock = threading.Lock()
         self._token_inbox: list[pb.FirstToken] = []  # from the registration thread
-        self._tokens: dict[str, tuple[pb.FirstToken, float]] = {}  # transfer id -> token, arrival
+        # transfer id -> prefill engine -> (token, arrival, order): relayed, not yet taken
+        self._tokens: dict[str, dict[str, tuple[pb.FirstToken, float, int]]] = {}
+        self._pending_tokens = 0
+        self._token_seq = 0  # relay order
         self._want_token: dict[str, tuple[str, str, Any]] = {}  # request -> (transfer, leg's prefill, request)
         self._new_waiting: list[str] = []  # reserved this step, waiting for their token too
         self._delivered: list[str] = []  # tokens appended this step
@@ -170,52 +173,65 @@ class DecodeScheduler:
             self._token_inbox.extend(tokens)
 
     def _take_tokens(self, now: float) -> None:
-        """Moves relayed tokens into ``_tokens`` (the first per transfer wins) and appends each to
-        the prompt of the request waiting for it, if it comes from a prefill the transfer was
-        published to. Tokens for transfers not reserved yet wait, for a bounded time."""
+        """Moves relayed tokens into ``_tokens`` and appends one to the prompt of the request
+        waiting for it, once it comes from a prefill the transfer was published to: its leg's, or
+        the current one after a reroute (a rerouted prefill's token can come before decode has the
+        new leg, so a token from another prefill waits too). The first accepted token wins; tokens
+        for transfers not reserved yet, or from prefills not (yet) the transfer's, wait for a
+        bounded time."""
         if self._token_inbox:
             with self._token_lock:
                 inbox, self._token_inbox = self._token_inbox, []
             for ft in inbox:
-                if ft.transfer_id in self._tokens:
-                    continue
                 if ft.token_id >= self._vocab:
+                    FIRST_TOKENS.labels("refused").inc()
                     log.warning("first_token_refused", transfer_id=ft.transfer_id, reason="token id out of range")
                     continue
-                if len(self._tokens) >= _MAX_PENDING_TOKENS:
+                if self._pending_tokens >= _MAX_PENDING_TOKENS:
+                    FIRST_TOKENS.labels("refused").inc()
                     log.warning("first_token_refused", transfer_id=ft.transfer_id, reason="too many pending")
                     continue
-                self._tokens[ft.transfer_id] = (ft, now)
+                per = self._tokens.setdefault(ft.transfer_id, {})
+                if ft.prefill_engine_id not in per:
+                    self._token_seq += 1
+                    per[ft.prefill_engine_id] = (ft, now, self._token_seq)
+                    self._pending_tokens += 1
         if not self._tokens:
             return
-        for tid, (ft, arrived) in list(self._tokens.items()):
+        for tid, per in list(self._tokens.items()):
             rid = self._holders.get(tid)
             want = self._want_token.get(rid) if rid is not None else None
-            if want is None:
+            if want is not None:
+                _, leg_prefill, request = want
+                current = self.agent.prefill_of(tid) if self.agent is not None else None
+                # The earliest relayed of the acceptable ones: the token Generate streamed too.
+                candidates = [per[p] for p in {leg_prefill, current} if p is not None and p in per]
+                taken = min(candidates, key=lambda c: c[2]) if candidates else None
+                if taken is not None:
+                    assert rid is not None
+                    ft = taken[0]
+                    append_first_token(request, int(ft.token_id))
+                    del self._want_token[rid]
+                    self._drop_tokens(tid)
+                    self._delivered.append(rid)
+                    if _is_seeded(request):
+                        self._advance.add(rid)
+                    FIRST_TOKENS.labels("appended").inc()
+                    log.info("first_token_appended", transfer_id=tid, request_id=rid, prefill=ft.prefill_engine_id)
+                    continue
+            for prefill, (_, arrived, _) in list(per.items()):
                 if now - arrived > _PENDING_TOKEN_S:
-                    del self._tokens[tid]  # no request of this engine took it
-                continue
-            _, leg_prefill, request = want
-            current = self.agent.prefill_of(tid) if self.agent is not None else None
-            if ft.prefill_engine_id not in (leg_prefill, current):
-                FIRST_TOKENS.labels("refused").inc()
-                log.warning(
-                    "first_token_refused",
-                    transfer_id=tid,
-                    request_id=rid,
-                    prefill=ft.prefill_engine_id,
-                    reason="not from a prefill this transfer was published to",
-                )
+                    # No request of this engine took it: never reserved here, or not from a prefill
+                    # the transfer was published to.
+                    del per[prefill]
+                    self._pending_tokens -= 1
+                    FIRST_TOKENS.labels("expired").inc()
+                    log.warning("first_token_expired", transfer_id=tid, prefill=prefill)
+            if not per:
                 del self._tokens[tid]
-                continue
-            assert rid is not None
-            append_first_token(request, int(ft.token_id))
-            del self._want_token[rid]
-            self._delivered.append(rid)
-            if _is_seeded(request):
-                self._advance.add(rid)
-            FIRST_TOKENS.labels("appended").inc()
-            log.info("first_token_appended", transfer_id=tid, request_id=rid, prefill=ft.prefill_engine_id)
+
+    def _drop_tokens(self, tid: str) -> None:
+        self._pending_tokens -= len(self._tokens.pop(tid, {}))
 
     def _leg_failures(self, failures: list[pb.LegFailure]) -> None:
         """Undelivered prefill legs, from the scheduler: those transfers fail over now."""
@@ -344,6 +360,8 @@ class DecodeScheduler:
         self._advance.discard(rid)
         if self._want_token.pop(rid, None) is not None:
             self._abandoned.append(rid)  # its worker stops waiting for the token
+            if tid is not None:
+                self._drop_tokens(tid)
         leg = self.legs.of(request) if tid is None and not tried and self.agent is not None else None
         self.legs.forget(rid)
         if self.agent is None:

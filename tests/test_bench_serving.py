@@ -326,7 +326,7 @@ def test_markdown_shows_two_plain_and_goodput(tmp_path: Path) -> None:
         f"1 ({results['single'][0].goodput_rps:.2f})",
         f"2 ({results['two_plain'][1].goodput_rps:.2f})",
     ]
-    assert cells[6:] == ["–"] * 4  # pull, push, ours, ours_grpc not run
+    assert cells[6:] == ["–"] * 5  # pull, push, ours, ours_ft, ours_grpc not run
     written = sv.plots(_res(results, SLO), tmp_path, "t")
     assert sorted(Path(p).name for p in written) == ["t_goodput.png", "t_tpot.png", "t_ttft.png"]
     assert all(Path(p).stat().st_size > 0 for p in written)

@@ -4,6 +4,7 @@ landed transfer until its token came."""
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -157,6 +158,40 @@ def test_a_rerouted_transfer_takes_its_new_prefills_token() -> None:
     agent.prefill = "p1"
     s._first_tokens([_token(prefill="p1", token=5)])
     assert _step(s).first_token_delivered == ["r"] and r.prompt_token_ids[-1] == 5
+
+
+def test_a_rerouted_prefills_token_that_overtakes_the_new_leg_waits_for_it() -> None:
+    """Retry elsewhere: the scheduler sends the new prefill its leg itself, so that prefill's token
+    can be relayed before decode has moved the transfer to it; it is kept, and taken once the
+    transfer is published there."""
+    s, agent = _decode()
+    r = _request("r", list(range(3, 40)), _leg())
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    s._first_tokens([_token(prefill="p1", token=5)])
+    assert _step(s).first_token_delivered == []
+    agent.prefill = "p1"  # the reroute's new epoch is published to p1
+    assert _step(s).first_token_delivered == ["r"] and r.prompt_token_ids[-1] == 5
+    assert not s._tokens and s._pending_tokens == 0
+
+
+def test_the_earliest_relayed_acceptable_token_wins() -> None:
+    s, agent = _decode()
+    r = _request("r", list(range(3, 40)), _leg())
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    agent.prefill = "p1"
+    s._first_tokens([_token(prefill="p1", token=5), _token(prefill="p0", token=6)])
+    assert _step(s).first_token_delivered == ["r"] and r.prompt_token_ids[-1] == 5
+
+
+def test_unclaimed_tokens_expire() -> None:
+    s, _ = _decode()
+    s._first_tokens([_token(tid="nobody")])
+    _step(s)
+    assert s._pending_tokens == 1
+    s._take_tokens(time.monotonic() + 61)
+    assert not s._tokens and s._pending_tokens == 0
 
 
 def test_a_seeded_request_advances_its_sampler_in_its_first_step() -> None:
