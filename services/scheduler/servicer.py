@@ -303,20 +303,25 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         the KV it holds (or will hold) for the transfer instead of keeping it for its lease."""
         return self._push_leg_failure(rec.prefill, rec, rec.prefill.engine_id, reason, pb.ROLE_DECODE)
 
+    def _push(self, to: InstanceSpec, msg: pb.LegFailure | pb.FirstToken) -> bool:
+        """Queues ``msg`` for the instance's current load stream; False when it has none or its
+        queue is full."""
+        box = self._outboxes.get((to.engine_id, to.incarnation))
+        if box is None:
+            return False
+        try:
+            box.put_nowait(msg)
+        except asyncio.QueueFull:
+            return False
+        return True
+
     def _push_leg_failure(
         self, to: InstanceSpec, rec: AssignmentRecord, prefill_engine_id: str, reason: str, leg: pb.Role.ValueType
     ) -> bool:
-        box = self._outboxes.get((to.engine_id, to.incarnation))
         failure = pb.LegFailure(
             transfer_id=rec.transfer_id, prefill_engine_id=prefill_engine_id, reason=limits.clip(reason), leg=leg
         )
-        delivered = False
-        if box is not None:
-            try:
-                box.put_nowait(failure)
-                delivered = True
-            except asyncio.QueueFull:
-                pass
+        delivered = self._push(to, failure)
         self.metrics.leg_failures.labels("pushed" if delivered else "undelivered").inc()
         self.log.warning(
             "leg_failed",
@@ -356,14 +361,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             if waiter is not None and not waiter.done():
                 waiter.set_result(relayed)
             decode = self.registry.instances.get(ft.decode_engine_id)
-            box = self._outboxes.get((decode.spec.engine_id, decode.spec.incarnation)) if decode is not None else None
-            delivered = False
-            if box is not None:
-                try:
-                    box.put_nowait(relayed)
-                    delivered = True
-                except asyncio.QueueFull:
-                    pass
+            delivered = decode is not None and self._push(decode.spec, relayed)
             self.metrics.first_tokens.labels("relayed" if delivered else "undelivered").inc()
             if not delivered:
                 self.log.warning(
