@@ -340,6 +340,17 @@ _reports = st.lists(
         waiting_requests=U32,
         write_bytes_in_flight=U64,
         draining=st.booleans(),
+        first_tokens=st.lists(
+            st.builds(
+                pb.FirstToken,
+                transfer_id=IDS,
+                decode_engine_id=st.sampled_from(["fixed-d", "fz-0"]) | IDS,
+                prefill_engine_id=IDS,
+                token_id=U32,
+                stopped=st.booleans(),
+            ),
+            max_size=3,
+        ),
     ),
     max_size=3,
 ).map(lambda rs: ("ReportLoad", rs))
@@ -429,6 +440,6 @@ def test_fuzz_scheduler(sched: tuple[SchedulerServer, pb_grpc.SchedulerStub], ca
     def idle() -> bool:
         left = (s._inflight, getattr(s, "_generating", 0), s._queued, len(s._lost), len(s._subscribers))
         # No load stream is open after the calls: no outbox for leg failures may remain either.
-        return left == (0, 0, 0, 0, 0) and not server.registry.open and not s._outboxes
+        return left == (0, 0, 0, 0, 0) and not server.registry.open and not s._outboxes and not s._first_token_waiters
 
     _until(idle, "scheduler calls, subscribers or open assignments")
