@@ -512,6 +512,14 @@ async def both_legs(
             await prefill  # also retrieves a failure of P when D failed first
 
 
+async def _release(stub: Any, a: Any, outcome: int) -> None:
+    """Releases an Assign's assignment, best effort (it expires by TTL otherwise)."""
+    from kvpush.v1 import kvpush_pb2 as pb
+
+    with contextlib.suppress(Exception):
+        await stub.Release(pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=outcome), timeout=10)
+
+
 def ours_proxy(c: Client, stub: Any) -> Proxy:
     """Our scheduler's Assign, then both legs at once with its parameters, then Release."""
     from google.protobuf.json_format import MessageToDict
@@ -537,10 +545,7 @@ def ours_proxy(c: Client, stub: Any) -> Proxy:
             )
             outcome = pb.OUTCOME_OK
         finally:
-            with contextlib.suppress(Exception):
-                await stub.Release(
-                    pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=outcome), timeout=10
-                )
+            await _release(stub, a, outcome)
 
     return run
 
@@ -587,10 +592,7 @@ def ours_ft_proxy(c: Client, stub: Any) -> Proxy:
             record(s, min(first_at[0], first_d), last_d, rest.tokens + 1, max_tokens)
             outcome = pb.OUTCOME_OK
         finally:
-            with contextlib.suppress(Exception):
-                await stub.Release(
-                    pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=outcome), timeout=10
-                )
+            await _release(stub, a, outcome)
 
     return run
 

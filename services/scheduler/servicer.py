@@ -484,17 +484,21 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
 
     # ---------------------------------------------------------------- frontend RPCs
 
+    def _assign_demand(self, request: pb.AssignRequest, method: str) -> Demand:
+        """The request's demand, once its sizes are within bounds (else InvalidArgument)."""
+        if request.prompt_tokens > _MAX_PROMPT_TOKENS:
+            raise InvalidArgument(f"prompt_tokens {request.prompt_tokens} exceeds {_MAX_PROMPT_TOKENS}")
+        bound = _assign_out_of_bounds(request)
+        if bound is not None:
+            self.log.warning("request_refused", method=method, code="INVALID_ARGUMENT", reason=bound)
+            raise InvalidArgument(bound)
+        return Demand(request.prompt_tokens, request.max_tokens, request.prefix_hint)
+
     async def Assign(self, request: pb.AssignRequest, context: grpc.aio.ServicerContext) -> pb.Assignment:
         t0 = time.perf_counter()
         self._begin()
         try:
-            if request.prompt_tokens > _MAX_PROMPT_TOKENS:
-                raise InvalidArgument(f"prompt_tokens {request.prompt_tokens} exceeds {_MAX_PROMPT_TOKENS}")
-            bound = _assign_out_of_bounds(request)
-            if bound is not None:
-                self.log.warning("request_refused", method="Assign", code="INVALID_ARGUMENT", reason=bound)
-                raise InvalidArgument(bound)
-            demand = Demand(request.prompt_tokens, request.max_tokens, request.prefix_hint)
+            demand = self._assign_demand(request, "Assign")
             rec = await self._admit(demand, request.transfer_id, context.time_remaining())
             rec.first_token = request.first_token_from_prefill and rec.decode.first_token_handoff
         except SchedulerError as exc:
@@ -593,13 +597,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         for request in batch.assigns:
             result = response.assigns.add()
             try:
-                if request.prompt_tokens > _MAX_PROMPT_TOKENS:
-                    raise InvalidArgument(f"prompt_tokens {request.prompt_tokens} exceeds {_MAX_PROMPT_TOKENS}")
-                bound = _assign_out_of_bounds(request)
-                if bound is not None:
-                    self.log.warning("request_refused", method="AssignStream", code="INVALID_ARGUMENT", reason=bound)
-                    raise InvalidArgument(bound)
-                demand = Demand(request.prompt_tokens, request.max_tokens, request.prefix_hint)
+                demand = self._assign_demand(request, "AssignStream")
                 left = None if wait_until is None else max(0.0, wait_until - time.monotonic())
                 rec = await self._admit(demand, request.transfer_id, left)
             except SchedulerError as exc:
