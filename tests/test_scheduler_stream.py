@@ -239,3 +239,47 @@ def test_client_fails_waiters_when_the_stream_breaks() -> None:
             assert status_code(999) is CODE.UNKNOWN
 
     run(body())
+
+
+def test_stream_grants_the_handoff_only_when_asked_and_offered() -> None:
+    """As with Assign: an item asking for the first-token hand-off gets it exactly when its decode
+    offers it, and the grant is in both legs and covered by the batch signature."""
+    signer = LegSigner(Ed25519PrivateKey.generate(), ttl_s=60)
+    verifier = LegVerifier(signer.public_key())
+
+    async def body() -> None:
+        async with scheduler(leg_signer=signer, **LEASE) as (server, stub, _):
+            await FakeInstance(stub, info("p0", pb.ROLE_PREFILL)).start()
+            d = await FakeInstance(stub, info("d0", first_token_handoff=True)).start()
+            call = stub.AssignStream()
+            asks = [True, False, True]
+            reqs = [pb.AssignRequest(prompt_tokens=32, max_tokens=4, first_token_from_prefill=a) for a in asks]
+            resp = await _one(call, pb.AssignStreamRequest(batch_id=1, assigns=reqs))
+            for asked, r in zip(asks, resp.assigns, strict=True):
+                assert r.code == OK
+                a = r.assignment
+                assert a.first_token_from_prefill is asked
+                assert server.registry.open[a.transfer_id].first_token is asked
+                prefill, decode = _legs(a)
+                assert prefill.first_token is asked and decode.first_token is asked
+                check_leg(prefill, "p0", "prefill", verifier)
+                check_leg(decode, "d0", "decode", verifier)
+            # A granted leg whose grant is stripped no longer verifies: the grant is signed.
+            granted = resp.assigns[0].assignment
+            fields = MessageToDict(granted.decode_kv_transfer_params)
+            fields[transfer_params.KEY]["first_token"] = False
+            stripped = transfer_params.parse(fields)
+            assert stripped is not None
+            with pytest.raises(transfer_params.LegError, match="signature"):
+                check_leg(stripped, "d0", "decode", verifier)
+            await d.close()
+            await wait_for(lambda: "d0" not in server.registry.instances)
+            await FakeInstance(stub, info("d1")).start()
+            resp = await _one(call, pb.AssignStreamRequest(batch_id=2, assigns=reqs[:1]))
+            assert resp.assigns[0].code == OK
+            a = resp.assigns[0].assignment
+            assert a.decode.engine_id == "d1" and not a.first_token_from_prefill
+            assert not _legs(a)[1].first_token
+            call.cancel()
+
+    run(body())

@@ -223,7 +223,7 @@ def fill_assignments(pairs: list[tuple[AssignmentRecord, pb.Assignment]], signer
     patch: list[Any] = []  # per leg, the Struct fields to set expires_at, sig and proof in
     expires_at = signer.expiry() if signer is not None else 0.0
     for rec, a in pairs:
-        template, prefill_bytes, decode_bytes = _pair_template(rec.prefill, rec.decode)
+        template, prefill_bytes, decode_bytes = _pair_template(rec.prefill, rec.decode, rec.first_token)
         a.CopyFrom(template)
         a.transfer_id = rec.transfer_id
         a.epoch = rec.epoch
@@ -247,20 +247,25 @@ def fill_assignments(pairs: list[tuple[AssignmentRecord, pb.Assignment]], signer
 
 @functools.lru_cache(maxsize=4096)
 def _pair_template(
-    prefill: InstanceSpec, decode: InstanceSpec
+    prefill: InstanceSpec, decode: InstanceSpec, first_token: bool
 ) -> tuple[pb.Assignment, transfer_params.CanonicalTemplate, transfer_params.CanonicalTemplate]:
-    """The Assignment of one (prefill, decode) pair with a blank transfer id and epoch, and the
-    canonical bytes templates of its two legs."""
+    """The Assignment of one (prefill, decode) pair, with or without the first-token hand-off, with
+    a blank transfer id and epoch, and the canonical bytes templates of its two legs."""
     key = transfer_params.KEY
-    a = pb.Assignment()
+    a = pb.Assignment(first_token_from_prefill=first_token)
     a.prefill.CopyFrom(_info(prefill))
     a.decode.CopyFrom(_info(decode))
     prefill_dict, prefill_struct = _prefill_template(decode, prefill.engine_id)
     decode_dict, decode_struct = _decode_template(prefill, decode.engine_id)
     a.prefill_kv_transfer_params.CopyFrom(prefill_struct)
     a.decode_kv_transfer_params.CopyFrom(decode_struct)
+    prefill_fields, decode_fields = prefill_dict[key], decode_dict[key]
+    if first_token:
+        prefill_fields, decode_fields = {**prefill_fields, "first_token": True}, {**decode_fields, "first_token": True}
+        for leg in (a.prefill_kv_transfer_params, a.decode_kv_transfer_params):
+            leg.fields[key].struct_value.fields["first_token"].bool_value = True
     return (
         a,
-        transfer_params.CanonicalTemplate(prefill_dict[key]),
-        transfer_params.CanonicalTemplate(decode_dict[key]),
+        transfer_params.CanonicalTemplate(prefill_fields),
+        transfer_params.CanonicalTemplate(decode_fields),
     )

@@ -600,6 +600,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 demand = self._assign_demand(request, "AssignStream")
                 left = None if wait_until is None else max(0.0, wait_until - time.monotonic())
                 rec = await self._admit(demand, request.transfer_id, left)
+                rec.first_token = request.first_token_from_prefill and rec.decode.first_token_handoff
             except SchedulerError as exc:
                 if isinstance(exc, NoCapacity):
                     self.metrics.rejections.labels(exc.reason).inc()
