@@ -360,3 +360,21 @@ def test_prefill_abort_rejects_the_waiting_reservation_and_later_ones() -> None:
     assert t.on_prefill_aborted("D", "u", 0) == []
     (late,) = t.on_reservation(_res(tid="u"), 0)
     assert isinstance(late, Reject) and late.code is RefusalCode.FAILED_PRECONDITION
+
+
+def test_plan_reuses_the_layout_part_and_still_checks_each_transfers_ids() -> None:
+    from kvpush.services.prefill_agent.plan import _plan_shape
+
+    src, dst = _regions(1000, 16, 64, 2), _regions(90_000, 16, 64, 2)
+    (sl,) = head_slices(2, 1, 1)
+    first = plan_writes(src, dst, [[1, 2, 3]], [[5, 6, 7]], sl)
+    hits = _plan_shape.cache_info().hits
+    again = plan_writes(src, dst, [[1, 2, 3]], [[5, 6, 7]], sl)
+    assert _plan_shape.cache_info().hits == hits + 1
+    assert again.local.tolist() == first.local.tolist() and again.remote.tolist() == first.remote.tolist()
+    other = plan_writes(src, dst, [[1, 2, 9]], [[5, 6, 7]], sl)  # same shape, other ids: planned anew
+    assert other.num_descriptors == 4
+    with pytest.raises(PlanError, match="outside the registered region"):
+        plan_writes(src, dst, [[1]], [[16]], sl)
+    with pytest.raises(PlanError, match="outside the registered region"):
+        plan_writes(src, dst, [[-1]], [[0]], sl)

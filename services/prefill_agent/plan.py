@@ -10,6 +10,7 @@ contiguous on both sides.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -93,7 +94,7 @@ def merge_runs(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[BlockRun]
     return block_runs(src_ids, dst_ids).as_list()
 
 
-def check_block_ids(ids: Sequence[int], regions: Sequence[Region], group: int, side: str) -> None:
+def check_block_ids(ids: Sequence[int] | np.ndarray, regions: Sequence[Region], group: int, side: str) -> None:
     if not len(ids):
         return
     arr = np.asarray(ids, dtype=np.int64)
@@ -133,21 +134,37 @@ def _gapped(regions: RankRegions, region: Region, pattern: BlockPattern) -> bool
     return pattern.head_bytes * regions.num_heads < region.block_stride
 
 
-def plan_writes(
-    src: RankRegions,
-    dst: RankRegions,
-    src_ids: Sequence[Sequence[int]],
-    dst_ids: Sequence[Sequence[int]],
-    head_slice: HeadSlice,
-) -> WritePlan:
-    """Plans the descriptors that copy ``head_slice`` of every block pair, layer by layer.
+@dataclass(frozen=True)
+class _LayerPair:
+    """One layer's id-independent part of a plan: where its blocks start and how far apart they
+    are on each side, and the paired byte ranges of the head slice inside one block."""
 
-    ``src_ids``/``dst_ids`` are per KV-cache group and already aligned (same length per group).
-    """
+    group: int
+    src_base: np.uint64
+    src_stride: np.uint64
+    dst_base: np.uint64
+    dst_stride: np.uint64
+    src_off: np.ndarray
+    dst_off: np.ndarray
+    lengths: np.ndarray
+
+
+@dataclass(frozen=True)
+class _PlanShape:
+    """Everything in a plan that does not depend on the block ids (one per peer and head slice)."""
+
+    layers: tuple[_LayerPair, ...]
+    gapped: bool
+    local_mem: tuple[str, int]
+    remote_mem: tuple[str, int]
+
+
+@functools.lru_cache(maxsize=256)
+def _plan_shape(src: RankRegions, dst: RankRegions, head_slice: HeadSlice) -> _PlanShape:
+    """The layout checks and per-layer ranges of ``plan_writes``, computed once per (source,
+    destination, head slice): a writer plans every transfer of a peer with the same ones."""
     if len(src.regions) != len(dst.regions):
         raise PlanError(f"layout mismatch: {len(src.regions)} local vs {len(dst.regions)} remote layers")
-    if len(src_ids) != len(dst_ids):
-        raise PlanError(f"group count mismatch: {len(src_ids)} vs {len(dst_ids)}")
     if not src.num_heads or not dst.num_heads:
         raise PlanError("layout mismatch: a side holds no KV heads")
     head_bytes = src.block_bytes // src.num_heads
@@ -157,30 +174,15 @@ def plan_writes(
     if problem is not None:
         raise PlanError(problem)
     try:
-        (local_mem, local_dev), (remote_mem, remote_dev) = src.memory(), dst.memory()
+        local_mem, remote_mem = src.memory(), dst.memory()
     except LayoutError as exc:
         raise PlanError(str(exc)) from exc
-    for g, (s_ids, d_ids) in enumerate(zip(src_ids, dst_ids, strict=True)):
-        if len(s_ids) != len(d_ids):
-            raise PlanError(f"block count mismatch in group {g}: {len(s_ids)} source vs {len(d_ids)} destination")
-        check_block_ids(s_ids, src.regions, g, "source")
-        check_block_ids(d_ids, dst.regions, g, "destination")
-
-    ids_per_group = [
-        (np.asarray(s, dtype=np.uint64), np.asarray(d, dtype=np.uint64)) for s, d in zip(src_ids, dst_ids, strict=True)
-    ]
     segments: dict[tuple[BlockPattern, BlockPattern], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    layers: list[_LayerPair] = []
     gapped = False
     for s_reg, d_reg in zip(src.regions, dst.regions, strict=True):
         if s_reg.group != d_reg.group:
             raise PlanError("layout mismatch: layer groups differ")
-        g = s_reg.group
-        if g >= len(ids_per_group):
-            raise PlanError(f"no block ids for KV-cache group {g}")
-        s_blocks, d_blocks = ids_per_group[g]
-        if not len(s_blocks):
-            continue
         sp, dp = _pattern(src, s_reg), _pattern(dst, d_reg)
         gapped = gapped or _gapped(src, s_reg, sp) or _gapped(dst, d_reg, dp)
         key = (sp, dp)
@@ -193,12 +195,56 @@ def plan_writes(
             except RangeError as exc:
                 raise PlanError(f"layout mismatch: {exc}") from exc
         s_off, d_off, lens = segments[key]
-        s_addr = (np.uint64(s_reg.base_addr) + s_blocks * np.uint64(s_reg.block_stride))[:, None] + s_off[None, :]
-        d_addr = (np.uint64(d_reg.base_addr) + d_blocks * np.uint64(d_reg.block_stride))[:, None] + d_off[None, :]
+        layers.append(
+            _LayerPair(
+                s_reg.group,
+                np.uint64(s_reg.base_addr),
+                np.uint64(s_reg.block_stride),
+                np.uint64(d_reg.base_addr),
+                np.uint64(d_reg.block_stride),
+                s_off,
+                d_off,
+                lens,
+            )
+        )
+    return _PlanShape(tuple(layers), gapped, local_mem, remote_mem)
+
+
+def plan_writes(
+    src: RankRegions,
+    dst: RankRegions,
+    src_ids: Sequence[Sequence[int]],
+    dst_ids: Sequence[Sequence[int]],
+    head_slice: HeadSlice,
+) -> WritePlan:
+    """Plans the descriptors that copy ``head_slice`` of every block pair, layer by layer.
+
+    ``src_ids``/``dst_ids`` are per KV-cache group and already aligned (same length per group).
+    """
+    shape = _plan_shape(src, dst, head_slice)
+    if len(src_ids) != len(dst_ids):
+        raise PlanError(f"group count mismatch: {len(src_ids)} vs {len(dst_ids)}")
+    ids_per_group: list[tuple[np.ndarray, np.ndarray]] = []
+    for g, (s_ids, d_ids) in enumerate(zip(src_ids, dst_ids, strict=True)):
+        if len(s_ids) != len(d_ids):
+            raise PlanError(f"block count mismatch in group {g}: {len(s_ids)} source vs {len(d_ids)} destination")
+        s_arr, d_arr = np.asarray(s_ids, dtype=np.int64), np.asarray(d_ids, dtype=np.int64)
+        check_block_ids(s_arr, src.regions, g, "source")
+        check_block_ids(d_arr, dst.regions, g, "destination")
+        ids_per_group.append((s_arr.astype(np.uint64), d_arr.astype(np.uint64)))  # checked: none negative
+    parts: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for layer in shape.layers:
+        if layer.group >= len(ids_per_group):
+            raise PlanError(f"no block ids for KV-cache group {layer.group}")
+        s_blocks, d_blocks = ids_per_group[layer.group]
+        if not len(s_blocks):
+            continue
+        s_addr = (layer.src_base + s_blocks * layer.src_stride)[:, None] + layer.src_off[None, :]
+        d_addr = (layer.dst_base + d_blocks * layer.dst_stride)[:, None] + layer.dst_off[None, :]
         # Range by range, then block by block: a run of blocks then continues in each range (the
         # K half of block b+1 follows the K half of block b, not its V half).
-        parts.append((s_addr.T.ravel(), d_addr.T.ravel(), np.repeat(lens, len(s_blocks))))
-    if gapped and parts:
+        parts.append((s_addr.T.ravel(), d_addr.T.ravel(), np.repeat(layer.lengths, len(s_blocks))))
+    if shape.gapped and parts:
         # Cross-layer blocks: order every layer's ranges by source address so a block's layers meet.
         s_all, d_all, n_all = (np.concatenate(x) for x in zip(*parts, strict=True))
         order = np.argsort(s_all, kind="stable")
@@ -206,8 +252,8 @@ def plan_writes(
     merged = [merge_descriptors(*p) for p in parts]
     return WritePlan(
         head_slice.decode_rank,
-        _rows(merged, 0, local_mem, local_dev),
-        _rows(merged, 1, remote_mem, remote_dev),
+        _rows(merged, 0, *shape.local_mem),
+        _rows(merged, 1, *shape.remote_mem),
     )
 
 
