@@ -6,7 +6,7 @@ export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install system-deps lock proto proto-check typecheck check test test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff soak test-faults demo certs install-systemd clean
+.PHONY: install system-deps lock proto proto-check typecheck check test test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff bench-phases soak test-faults demo certs install-systemd clean
 
 # Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
 install:
@@ -70,6 +70,10 @@ bench-scheduler: install
 # Light load, side by side with one plain instance: the hand-off cost of the push path.
 bench-handoff: install
 	$(PY) -m benchmarks.handoff $(ARGS)
+
+# Where a P/D request's time goes, paired with plain requests on the same engines (benchmarks/phases.py).
+bench-phases: install
+	$(PY) -m benchmarks.phases $(ARGS)
 
 bench: install
 	$(PY) -m benchmarks.serving $(if $(QUICK),--quick,) $(ARGS)

@@ -789,7 +789,12 @@ class Harness:
                     assert sched is not None
                     port = free_port()
                     kv = connector_config(
-                        role, engine, sched.address, f"http://127.0.0.1:{port}", **sched.connector_extra(role, engine)
+                        role,
+                        engine,
+                        sched.address,
+                        f"http://127.0.0.1:{port}",
+                        **sched.connector_extra(role, engine),
+                        **_env_pairs(a.connector_extra),
                     )
                     kv["kv_buffer_device"] = a.kv_buffer_device
                     srv = self.server(f"{kind}-{role}", core, kv, env)
@@ -1511,6 +1516,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefill-env", action="append", default=[], help="KEY=VAL for P (and single), repeatable")
     ap.add_argument("--decode-env", action="append", default=[], help="KEY=VAL for D, repeatable")
     ap.add_argument("--vllm-arg", action="append", default=[], help="extra vLLM argument, repeatable")
+    ap.add_argument(
+        "--connector-extra",
+        action="append",
+        default=[],
+        help="KEY=VAL added to both kvpush engines' kv_connector_extra_config, repeatable",
+    )
     ap.add_argument("--timeout", type=float, default=60.0, help="per-request timeout, seconds")
     ap.add_argument("--ready-timeout", type=float, default=400.0)
     ap.add_argument("--warmup", type=int, default=3)

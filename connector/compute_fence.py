@@ -5,8 +5,9 @@ the KV kernels may still be running: a :class:`CudaEventFence` recorded there on
 stream completes when every kernel queued before it is done. The rank's :class:`FenceGate` thread
 waits on each step's fence, in order, and only then hands the step's transfers to the writer, so
 no WRITE is posted before its blocks are written and the engine thread never blocks. On CPU the
-forward is synchronous and the fence is :class:`NoFence`; the gate is the same, so CPU tests run
-the path GPUs take.
+forward is synchronous and the fence is :class:`NoFence`: the gate runs the hand-off on the
+engine thread (it only queues the transfer for the writer), and CPU tests run the gate's threaded
+path GPUs take through a fence of their own (tests/test_layout_ranges.py).
 """
 
 from __future__ import annotations
@@ -71,8 +72,15 @@ class FenceGate:
         self._lock = threading.Lock()
 
     def submit(self, fence: Fence, then: Callable[[], None], on_fail: Callable[[], None] | None = None) -> None:
+        """Runs ``then`` once ``fence`` completed. A ``NoFence`` (CPU: the compute is done) on a gate
+        that never had to wait runs it here, on the caller's thread: one thread hand-off less right
+        after the forward, when the engine's own threads need the core. Once the gate has a thread,
+        everything goes through it, in order."""
         with self._lock:
             if not self._started:
+                if isinstance(fence, NoFence):
+                    self._call(then)
+                    return
                 self._thread.start()
                 self._started = True
         self._queue.put((fence, then, on_fail))

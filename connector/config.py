@@ -70,8 +70,16 @@ class ConnectorConfig:
     # kv_load_failure_policy "fail" and --worker-cls kvpush.connector.vllm_worker.KvPushWorker.
     first_token_handoff: bool = True
     first_token_wait_s: float = 30.0  # KV landed, token not come: the request fails after this
+    # Prefill: a hand-off transfer's push starts when the next engine step does (its step's
+    # output, the client's first token, is then out) instead of at the forward's end, where it
+    # competes with that output for the core (docs/first_token.md).
+    push_after_output: bool = True
     # Prometheus: the engine-core process serves base, worker rank r serves base + 1 + r; 0: off.
     metrics_base_port: int = 0
+    # Logs each request's first scheduling and its end (scheduler process) and each step's forward
+    # end (worker), for every request, kvpush or not: the per-phase benchmark's timeline
+    # (benchmarks/phases.py). A log line per step: off in production.
+    trace_steps: bool = False
 
     @classmethod
     def from_vllm(cls, kv_transfer_config: Any) -> ConnectorConfig:

@@ -28,6 +28,9 @@ class FinishedPrefill:
     block_ids: tuple[tuple[int, ...], ...]
     num_tokens: int
     decode_engine_id: str  # from the request's prefill leg: only its reservations may match
+    # First-token hand-off: the client's first token is this step's output, so the push waits for
+    # the step's output to be out (the next step's start) instead of competing with it for the core.
+    after_output: bool = False
 
 
 @dataclass(frozen=True)

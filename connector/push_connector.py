@@ -41,12 +41,13 @@ class KvPushConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         from kvpush.connector.config import ConnectorConfig
         from kvpush.connector.kv_layout import default_model_id
-        from kvpush.services.common.logs import configure
+        from kvpush.services.common.logs import configure, get_logger
 
         configure()
         assert vllm_config.kv_transfer_config is not None
         self.cfg = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config)
         model_id = self.cfg.model_id or default_model_id(vllm_config.model_config.model)
+        self._trace = get_logger("kvpush.connector.trace") if self.cfg.trace_steps else None
         self._num_groups = max(1, len(kv_cache_config.kv_cache_groups)) if kv_cache_config else 1
         # One half per process, of this engine's role (connector/roles.py).
         self.scheduler: SchedulerHalf | None = None
@@ -83,6 +84,9 @@ class KvPushConnector(KVConnectorBase_V1):
         return tuple(range(self._num_groups))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._trace is not None:
+            for new in scheduler_output.scheduled_new_reqs:
+                self._trace.info("request_scheduled", request_id=new.req_id)
         return self._sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
@@ -90,11 +94,15 @@ class KvPushConnector(KVConnectorBase_V1):
         self._sched.update_connector_output(set(done or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._trace is not None:
+            self._trace.info("request_finished", request_id=request.request_id)
         return self._sched.request_finished(request)
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        if self._trace is not None:
+            self._trace.info("request_finished", request_id=request.request_id)
         return self._sched.request_finished(request)
 
     def has_pending_push_work(self) -> bool:
@@ -114,6 +122,10 @@ class KvPushConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker.handshake()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.step_started()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # decode never loads: prefill pushes
 
@@ -127,6 +139,8 @@ class KvPushConnector(KVConnectorBase_V1):
         from kvpush.connector.messages import PushMetadata
 
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if self._trace is not None:
+            self._trace.info("forward_done")
         self._worker.wait_for_save(meta if isinstance(meta, PushMetadata) else None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:

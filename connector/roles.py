@@ -56,6 +56,9 @@ class WorkerHalf(Protocol):
 
     def handshake(self) -> RankHandshake | None: ...
 
+    def step_started(self) -> None:
+        """A step's metadata was bound, before its forward: the previous step's output is out."""
+
     def wait_for_save(self, meta: PushMetadata | None) -> None:
         """After the step's forward was launched (prefill: hand the step's transfers to the writer)."""
 

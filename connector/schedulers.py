@@ -482,6 +482,7 @@ class PrefillScheduler:
                     tuple(tuple(g) for g in block_ids),
                     request.num_prompt_tokens,
                     leg.decode_engine_id,
+                    after_output=leg.first_token and self.cfg.push_after_output,
                 )
             )
             self._flagged.add(rid)

@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 from kvpush.connector import sampler_state
-from kvpush.connector.compute_fence import FenceFactory, FenceGate, NoFence, fence_factory
+from kvpush.connector.compute_fence import Fence, FenceFactory, FenceGate, NoFence, fence_factory
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.kv_layout import KvDescription, describe
-from kvpush.connector.messages import AbortedPrefill, PushMetadata, RankHandshake, UnreservedPrefill
+from kvpush.connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake, UnreservedPrefill
 from kvpush.connector.roles import TransferResults
 from kvpush.services.common.layout import new_incarnation
 from kvpush.services.common.logs import get_logger
@@ -92,6 +92,9 @@ class DecodeWorker:
     def handshake(self) -> RankHandshake | None:
         return self._handshake
 
+    def step_started(self) -> None:
+        return None
+
     def wait_for_save(self, meta: PushMetadata | None) -> None:
         """Decode saves nothing (prefill pushes into it); before this step samples, it takes the
         first-token hand-off's bookkeeping: which requests wait for their token as well as their
@@ -160,6 +163,7 @@ class PrefillWorker:
         self._active: set[str] = set()  # request ids handed to the agent
         self._fence: FenceFactory = NoFence
         self._gate = FenceGate("kvpush-fence-gate")
+        self._after_output: list[tuple[Fence, FinishedPrefill]] = []  # worker thread only
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         incarnation = new_incarnation()
@@ -198,11 +202,37 @@ class PrefillWorker:
         with self._lock:
             self._released.add(rel.request_id)
 
+    def step_started(self) -> None:
+        """The transfers held for their step's output (first-token hand-off) go to the writer now:
+        vLLM schedules this step after it processed the last one's output, so the first token is
+        on its way. Before this step's own hand-offs, so every transfer keeps its order."""
+        if not self._after_output:
+            return
+        held, self._after_output = self._after_output, []
+        for fence, fp in held:
+            self._submit(fence, fp)
+
+    def _submit(self, fence: Fence, fp: FinishedPrefill) -> None:
+        agent = self.agent
+        if agent is None:
+            return
+
+        def done() -> None:
+            agent.prefill_done(
+                fp.transfer_id, fp.request_id, fp.block_ids, fp.num_tokens, decode_engine_id=fp.decode_engine_id
+            )
+
+        def failed() -> None:
+            agent.prefill_aborted(fp.transfer_id, decode_engine_id=fp.decode_engine_id)
+
+        self._gate.submit(fence, done, failed)
+
     def wait_for_save(self, meta: PushMetadata | None) -> None:
         """Runs right after the step's forward was launched: the KV of ``finished_prefills`` is
-        in memory once this step's fence passes. Never blocks: the gate thread waits on the fence
-        and then hands the transfers to the writer (aborts take the same path, so they keep their
-        order relative to the transfers)."""
+        in memory once this step's fence passes. Never blocks: the gate waits on the fence and
+        then hands the transfers to the writer (aborts take the same path, so they keep their
+        order relative to the transfers). A first-token hand-off's transfer is held until the next
+        step starts (``step_started``): its step's output is the client's first token."""
         if meta is None or self.agent is None or not (meta.finished_prefills or meta.aborted or meta.unreserved):
             return
         agent = self.agent
@@ -210,16 +240,10 @@ class PrefillWorker:
         for fp in meta.finished_prefills:
             with self._lock:
                 self._active.add(fp.request_id)
-
-            def done(fp: Any = fp) -> None:
-                agent.prefill_done(
-                    fp.transfer_id, fp.request_id, fp.block_ids, fp.num_tokens, decode_engine_id=fp.decode_engine_id
-                )
-
-            def failed(fp: Any = fp) -> None:
-                agent.prefill_aborted(fp.transfer_id, decode_engine_id=fp.decode_engine_id)
-
-            self._gate.submit(fence, done, failed)
+            if fp.after_output:
+                self._after_output.append((fence, fp))
+            else:
+                self._submit(fence, fp)
         for ab in meta.aborted:
 
             def aborted(ab: AbortedPrefill = ab) -> None:
@@ -248,6 +272,7 @@ class PrefillWorker:
         return TransferResults(finished_sending=self.finished_sending(finished_req_ids))
 
     def shutdown(self) -> None:
+        self.step_started()  # a held transfer is pushed (or refused by the writer), not dropped
         self._gate.stop()
         if self.agent is not None:
             self.agent.stop()

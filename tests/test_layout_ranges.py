@@ -269,6 +269,22 @@ def test_gate_runs_callbacks_only_after_their_fence_and_in_order() -> None:
     gate.stop()
 
 
+def test_gate_runs_a_no_fence_on_the_caller_until_it_has_a_thread() -> None:
+    gate, ran_on = FenceGate("test-gate"), []
+    gate.submit(NoFence(), lambda: ran_on.append(threading.get_ident()))
+    assert ran_on == [threading.get_ident()]  # inline: no hand-off to the gate's thread
+    assert not gate._thread.is_alive()
+    held, done = _ManualFence(), threading.Event()
+    gate.submit(held, lambda: ran_on.append(threading.get_ident()))
+    gate.submit(NoFence(), done.set)  # queued behind the held fence: order is kept
+    assert held.entered.wait(10)
+    assert not done.is_set()
+    held.released.set()
+    assert done.wait(10)
+    assert ran_on[1] == gate._thread.ident
+    gate.stop()
+
+
 def test_prefill_worker_hands_transfers_to_the_writer_after_the_fence() -> None:
     from kvpush.connector.config import ConnectorConfig
     from kvpush.connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata
@@ -294,6 +310,37 @@ def test_prefill_worker_hands_transfers_to_the_writer_after_the_fence() -> None:
     assert aborted.wait(10)
     assert calls == [("done", "t1"), ("aborted", "t0")]
     w.shutdown()
+
+
+def test_prefill_worker_holds_a_handoff_transfer_until_the_next_step_starts() -> None:
+    """First-token hand-off: the push waits for the step's output (the next step's start), then
+    goes to the writer before that step's own transfers; a plain transfer goes at once."""
+    from kvpush.connector.config import ConnectorConfig
+    from kvpush.connector.messages import FinishedPrefill, PushMetadata
+    from kvpush.connector.workers import PrefillWorker
+
+    calls: list[str] = []
+    w = PrefillWorker(ConnectorConfig(engine_id="p", role="prefill"), "m")
+    w.agent = SimpleNamespace(  # type: ignore[assignment]
+        prefill_done=lambda tid, *a, **kw: calls.append(tid),
+        prefill_aborted=lambda tid, **kw: calls.append(f"aborted {tid}"),
+        stop=lambda: None,
+    )
+
+    def fp(tid: str, after_output: bool) -> FinishedPrefill:
+        return FinishedPrefill(tid, f"r-{tid}", ((1,),), 5, "d", after_output=after_output)
+
+    w.wait_for_save(PushMetadata(finished_prefills=[fp("held", True), fp("plain", False)]))
+    assert calls == ["plain"]  # NoFence: handed over on the engine thread, the hand-off one held
+    w.step_started()
+    assert calls == ["plain", "held"]
+    w.step_started()  # nothing held: nothing again
+    w.wait_for_save(PushMetadata(finished_prefills=[fp("held2", True)]))
+    w.wait_for_save(PushMetadata(finished_prefills=[fp("plain2", False)]))
+    assert calls == ["plain", "held", "plain2"]
+    w.shutdown()  # a held transfer is handed over at shutdown, never dropped
+    assert calls == ["plain", "held", "plain2", "held2"]
+    assert w._active == {"r-held", "r-plain", "r-held2", "r-plain2"}  # freed only once released
 
 
 def test_fence_kind_follows_the_kv_memory() -> None:

@@ -1,0 +1,336 @@
+"""Per-phase accounting of a P/D request, paired with plain requests on the same engines.
+
+``make bench-phases``. One kvpush 1P1D pair (P on core 0, D on core 1, as ``make bench``) with the
+connector's step trace on (``trace_steps``). For each prompt, one after another (light load):
+
+1. a plain request (no kvpush params) to the prefill engine, ``max_tokens=1``: the baseline;
+2. ``Assign``, then both legs at once (prefill ``max_tokens=1``, decode streamed);
+3. ``Generate`` (the first-token hand-off): its first token is the TTFT a client sees;
+4. a plain streamed request to the decode engine: the TPOT baseline;
+5. the plain prefill request again (the baseline is the mean of 1 and 5).
+
+The same prompt on the same engine, minutes apart at most: the differences are what the P/D path
+adds, free of the launch-to-launch variance that separates two launches of one plain instance
+(10-15 % of TPOT on a 2-core VM, measured). The prefill leg is split with the engine's own log
+lines (``request_scheduled``, ``forward_done``, ``request_finished``), the writer's
+``write_finished`` and decode's ``transfer_released``; all processes share one clock.
+
+Writes JSON (default bench-results/phases.json) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import json
+import os
+import platform
+import re
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks import serving
+
+ROOT = Path(__file__).resolve().parent.parent
+_RID = re.compile(r"[0-9a-f]{32}")
+_PHASES = ("sent_to_scheduled", "forward", "forward_to_finished", "finished_to_answer", "answer")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--requests", type=int, default=30, help="prompts measured (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=32, help="decode tokens of the streamed requests")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model-dir", type=Path, default=ROOT / "models" / "tiny-llama")
+    ap.add_argument("--log-dir", type=Path, default=ROOT / "runs" / "bench-phases")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "phases.json")
+    ap.add_argument("--serving-arg", action="append", default=[], help="passed to the serving harness, repeatable")
+    return ap.parse_args(argv)
+
+
+class Trace:
+    """Timestamps from the engines' logs, keyed by the 32-hex request id the client chose."""
+
+    def __init__(self, p_log: Path, d_log: Path) -> None:
+        def by_rid(path: Path, event: str) -> dict[str, float]:
+            out: dict[str, float] = {}
+            for row in serving.parse_events(path, 0, event):
+                m = _RID.search(row.get("request_id", ""))
+                if m:
+                    out.setdefault(m.group(0), serving._ts(row))
+            return out
+
+        def by_tid(path: Path, event: str) -> dict[str, dict[str, str]]:
+            return {row["transfer_id"]: row for row in serving.parse_events(path, 0, event) if "transfer_id" in row}
+
+        self.scheduled = by_rid(p_log, "request_scheduled")
+        self.scheduled_at = sorted(serving._ts(r) for r in serving.parse_events(p_log, 0, "request_scheduled"))
+        self.finished_at = sorted(serving._ts(r) for r in serving.parse_events(p_log, 0, "request_finished"))
+        self.finished = by_rid(p_log, "request_finished")
+        self.forwards = sorted(serving._ts(r) for r in serving.parse_events(p_log, 0, "forward_done"))
+        self.writes = by_tid(p_log, "write_finished")
+        self.released = {tid: serving._ts(r) for tid, r in by_tid(d_log, "transfer_released").items()}
+
+    def forward_end(self, scheduled: float) -> float:
+        """The first forward that ended after ``scheduled`` (requests run one at a time here)."""
+        i = bisect.bisect_right(self.forwards, scheduled)
+        return self.forwards[i] if i < len(self.forwards) else float("nan")
+
+    def first_after(self, times: list[float], t: float) -> float:
+        i = bisect.bisect_right(times, t)
+        return times[i] if i < len(times) else float("nan")
+
+    def prefill_split(self, rid: str | None, sent: float, answered: float) -> dict[str, float]:
+        """The prefill request ``rid``'s phases; None: the first request scheduled after ``sent``
+        (a ``Generate`` leg, whose id the scheduler chose; requests run one at a time here)."""
+        if rid is None:
+            s = self.first_after(self.scheduled_at, sent)
+            f = self.first_after(self.finished_at, s)
+        else:
+            s, f = self.scheduled.get(rid, float("nan")), self.finished.get(rid, float("nan"))
+        fwd = self.forward_end(s)
+        return {
+            "sent_to_scheduled": s - sent,
+            "forward": fwd - s,
+            "forward_to_finished": f - fwd,
+            "finished_to_answer": answered - f,
+            "answer": answered - sent,
+        }
+
+
+async def _stream(c: serving.Client, url: str, prompt: list[int], n: int, params: Any, rid: str) -> list[float]:
+    """Arrival times (time.time) of each streamed token."""
+    body = await c.body(url, prompt, n, params, stream=True)
+    out: list[float] = []
+    async with c.session.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
+        async for raw in resp.content:
+            line = raw.strip()
+            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+                continue
+            got = len(json.loads(line[5:])["choices"][0].get("token_ids") or [])
+            out.extend([time.time()] * got)
+    if len(out) != n:
+        raise RuntimeError(f"{url}: {len(out)} tokens, expected {n}")
+    return out
+
+
+def _tpot(ts: Sequence[float]) -> float:
+    return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else float("nan")
+
+
+async def measure(pair: Any, args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:
+    from google.protobuf.json_format import MessageToDict
+
+    from kvpush.v1 import kvpush_pb2 as pb
+    from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+
+    c = serving.Client(120)
+    rows: list[dict[str, Any]] = []
+    n = args.output_len
+    p_url, d_url = pair.prefill.base_url, pair.decode.base_url
+    try:
+        async with pair.scheduler.security().aio_channel(pair.scheduler.address) as ch:
+            stub = pb_grpc.SchedulerStub(ch)
+
+            async def plain_prefill(prompt: list[int]) -> tuple[str, float, float]:
+                rid = uuid.uuid4().hex
+                t0 = time.time()
+                await c.once(p_url, prompt, 1, None, rid)
+                return rid, t0, time.time()
+
+            for i, prompt in enumerate(prompts):
+                row: dict[str, Any] = {"warmup": i < args.warmup}
+                row["plain_a"] = await plain_prefill(prompt)
+                t0 = time.time()
+                a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=30)
+                t1 = time.time()
+                p_rid = uuid.uuid4().hex
+                decode = asyncio.create_task(
+                    _stream(c, d_url, prompt, n, MessageToDict(a.decode_kv_transfer_params), uuid.uuid4().hex)
+                )
+                await c.once(p_url, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), p_rid)
+                t2 = time.time()
+                d_tokens = await decode
+                await serving._release(stub, a, pb.OUTCOME_OK)
+                row.update(tid=a.transfer_id, sent=t0, assigned=t1, p_rid=p_rid, p_answer=t2, d_tokens=d_tokens)
+                g0 = time.time()
+                g_tokens: list[float] = []
+                req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
+                async for msg in stub.Generate(req, timeout=120):
+                    g_tokens.extend([time.time()] * len(msg.token_ids))
+                row.update(g_sent=g0, g_tokens=g_tokens)
+                row["plain_d"] = await _stream(c, d_url, prompt, n, None, uuid.uuid4().hex)
+                row["plain_b"] = await plain_prefill(prompt)
+                rows.append(row)
+    finally:
+        await c.close()
+    return rows
+
+
+def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
+    """Per-row values in ms, then p50 per series and p50 of the paired differences."""
+    series: dict[str, list[float]] = {}
+
+    def put(key: str, value: float) -> None:
+        series.setdefault(key, []).append(value * 1e3)
+
+    for r in rows:
+        if r["warmup"]:
+            continue
+        plain = [trace.prefill_split(rid, t0, t1) for rid, t0, t1 in (r["plain_a"], r["plain_b"])]
+        base = {k: float(np.nanmean([p[k] for p in plain])) for k in plain[0]}
+        leg = trace.prefill_split(r["p_rid"], r["assigned"], r["p_answer"])
+        for k in base:
+            put(f"plain.{k}", base[k])
+            put(f"pd.{k}", leg[k])
+        put("pd.assign", r["assigned"] - r["sent"])
+        put("pd.assign_and_answer", r["p_answer"] - r["sent"])
+        fwd = trace.forward_end(trace.scheduled.get(r["p_rid"], float("nan")))
+        w = trace.writes.get(r["tid"], {})
+        w_ms = float(w.get("write_ms", "nan")) / 1e3
+        w_end = serving._ts(w) if w else float("nan")
+        put("pd.forward_to_write", w_end - w_ms - fwd)
+        put("pd.write", w_ms)
+        put("pd.write_to_release", trace.released.get(r["tid"], float("nan")) - w_end)
+        put("pd.release_to_first_token", r["d_tokens"][0] - trace.released.get(r["tid"], float("nan")))
+        put("pd.ttft_decode", r["d_tokens"][0] - r["sent"])
+        put("generate.ttft", r["g_tokens"][0] - r["g_sent"])
+        for k, v in trace.prefill_split(None, r["g_sent"], r["g_tokens"][0]).items():
+            put(f"generate.{k}", v)
+        put("pd.tpot", _tpot(r["d_tokens"]))
+        put("generate.tpot", _tpot(r["g_tokens"]))
+        put("plain.tpot_decode", _tpot(r["plain_d"]))
+    p50 = {k: float(np.nanmedian(v)) for k, v in series.items()}
+
+    def paired(a: str, b: str) -> float:
+        return float(np.nanmedian(np.array(series[a]) - np.array(series[b])))
+
+    def ratio(a: str, b: str) -> float:
+        return float(np.nanmedian(np.array(series[a]) / np.array(series[b])))
+
+    diffs = {
+        "generate_ttft_minus_plain_answer": paired("generate.ttft", "plain.answer"),
+        "assign_path_answer_minus_plain_answer": paired("pd.assign_and_answer", "plain.answer"),
+        **{f"leg_minus_plain.{k}": paired(f"pd.{k}", f"plain.{k}") for k in _PHASES},
+        **{f"generate_minus_plain.{k}": paired(f"generate.{k}", f"plain.{k}") for k in _PHASES},
+        "tpot_ratio_pd_to_plain_decode": ratio("pd.tpot", "plain.tpot_decode"),
+        "tpot_ratio_generate_to_plain_decode": ratio("generate.tpot", "plain.tpot_decode"),
+    }
+    return {"n": len(series.get("pd.answer", [])), "p50_ms": p50, "paired": diffs, "series_ms": series}
+
+
+def markdown(res: dict[str, Any]) -> str:
+    p, d = res["p50_ms"], res["paired"]
+    lines = [
+        f"Prompt {res['config']['prompt_len']} tokens, {res['n']} prompts, {res['config']['output_len']} output "
+        f"tokens; load average {res['load_before']:.2f} before, {res['load_after']:.2f} after; {res['host']}.",
+        "",
+        "| prefill leg phase | plain p50 ms | `Assign` leg p50 ms | paired diff | `Generate` leg p50 ms "
+        "| paired diff |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    names = {
+        "sent_to_scheduled": "HTTP send → engine schedules it",
+        "forward": "→ forward done",
+        "forward_to_finished": "→ request finished (sampled, output built)",
+        "finished_to_answer": "→ answer at the client (`Generate`: its first token)",
+        "answer": "send → answer",
+    }
+    for k, label in names.items():
+        lines.append(
+            f"| {label} | {p[f'plain.{k}']:.1f} | {p[f'pd.{k}']:.1f} | {d[f'leg_minus_plain.{k}']:+.1f} | "
+            f"{p[f'generate.{k}']:.1f} | {d[f'generate_minus_plain.{k}']:+.1f} |"
+        )
+    lines += [
+        "",
+        "`Assign` leg: without the hand-off (its push starts at the forward's end); `Generate` leg: with it "
+        "(its push waits for the step's output). Sent: after `Assign` returned, or when `Generate` was called.",
+    ]
+    lines += [
+        "",
+        "| TTFT path | p50 ms | paired minus plain answer, p50 ms |",
+        "|---|---:|---:|",
+        f"| `Generate` (first token from prefill) | {p['generate.ttft']:.1f} | "
+        f"{d['generate_ttft_minus_plain_answer']:+.1f} |",
+        f"| `Assign` + prefill leg's answer (this leg without the hand-off) | {p['pd.assign_and_answer']:.1f} | "
+        f"{d['assign_path_answer_minus_plain_answer']:+.1f} |",
+        f"| of it, `Assign` | {p['pd.assign']:.1f} | |",
+        f"| `Assign` path, decode's first token (no hand-off) | {p['pd.ttft_decode']:.1f} | |",
+        "",
+        "| push phase (Assign path) | p50 ms |",
+        "|---|---:|",
+        f"| forward done → WRITE posted | {p['pd.forward_to_write']:.2f} |",
+        f"| WRITE (plan, post, complete) | {p['pd.write']:.2f} |",
+        f"| WRITE done → decode releases | {p['pd.write_to_release']:.2f} |",
+        f"| release → decode's first token | {p['pd.release_to_first_token']:.1f} |",
+        "",
+        "| decode TPOT | p50 ms | paired ratio to plain on the same decode engine |",
+        "|---|---:|---:|",
+        f"| plain request on the decode engine | {p['plain.tpot_decode']:.2f} | 1 |",
+        f"| P/D (`Assign` path) | {p['pd.tpot']:.2f} | {d['tpot_ratio_pd_to_plain_decode']:.3f} |",
+        f"| P/D (`Generate`) | {p['generate.tpot']:.2f} | {d['tpot_ratio_generate_to_plain_decode']:.3f} |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not (args.model_dir / "config.json").exists():
+        from scripts.cluster.vllm import make_model
+
+        make_model(args.model_dir)
+    sargs = serving.parse_args(
+        [
+            "--model-dir",
+            str(args.model_dir),
+            "--log-dir",
+            str(args.log_dir),
+            "--prompt-lens",
+            str(args.prompt_len),
+            "--max-tokens",
+            str(args.output_len),
+            "--connector-extra",
+            "trace_steps=true",
+            *args.serving_arg,
+        ]
+    )
+    h = serving.Harness(sargs)
+    rng = np.random.default_rng(args.seed)
+    prompts = [
+        [int(t) for t in rng.integers(10, h.model.vocab - 10, size=args.prompt_len)]
+        for _ in range(args.warmup + args.requests)
+    ]
+    load_before = os.getloadavg()[0]
+    t_start = time.monotonic()
+    with h.pair("ours") as pair:
+        rows = asyncio.run(measure(pair, args, prompts))
+        trace = Trace(pair.prefill.log_path, pair.decode.log_path)
+    res = analyse(rows, trace)
+    res.update(
+        config={k: (serving._relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        host=f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
+        load_before=load_before,
+        load_after=os.getloadavg()[0],
+        total_seconds=time.monotonic() - t_start,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    args.out.with_suffix(".md").write_text(md)
+    sys.stdout.write(md + f"\nresults: {args.out}; {res['total_seconds']:.0f} s\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

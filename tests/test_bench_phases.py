@@ -1,0 +1,100 @@
+"""The per-phase benchmark's accounting (benchmarks/phases.py) on a synthetic timeline: which log
+line is which phase, and the paired differences against the plain baseline."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from benchmarks import phases
+
+T0 = 1_800_000_000.0  # seconds since the epoch; every event below is an offset from it in ms
+
+
+def _line(event: str, at_ms: float, **kw: str) -> str:
+    ts = datetime.fromtimestamp(T0 + at_ms / 1e3, UTC).isoformat().replace("+00:00", "Z")
+    fields = " ".join(f"{k}='{v}'" for k, v in kw.items())
+    return f"(EngineCore pid=1) event='{event}' {fields} level='info' timestamp='{ts}'\n"
+
+
+def _t(ms: float) -> float:
+    return T0 + ms / 1e3
+
+
+def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_path: Path) -> None:
+    rid = {name: f"{i:032x}" for i, name in enumerate(("plain_a", "leg", "plain_b"), start=1)}
+    p_log, d_log = tmp_path / "p.log", tmp_path / "d.log"
+    p_log.write_text(
+        "".join(
+            [
+                # plain a: sent 0, scheduled 6, forward done 86, finished 89, answered 95
+                _line("request_scheduled", 6, request_id=f"cmpl-{rid['plain_a']}-0"),
+                _line("forward_done", 86),
+                _line("request_finished", 89, request_id=f"cmpl-{rid['plain_a']}-0"),
+                # P/D leg: sent (after Assign) 1004, scheduled 1012, forward 1094, finished 1101
+                _line("request_scheduled", 1012, request_id=f"cmpl-{rid['leg']}-0"),
+                _line("forward_done", 1094),
+                _line("write_finished", 1099, transfer_id="t1", write_ms="2.0"),
+                _line("request_finished", 1101, request_id=f"cmpl-{rid['leg']}-0"),
+                # Generate's leg (id chosen by the scheduler): sent 2000, scheduled 2010, forward 2090
+                _line("request_scheduled", 2010, request_id="cmpl-scheduler-chosen-0"),
+                _line("forward_done", 2090),
+                _line("request_finished", 2093, request_id="cmpl-scheduler-chosen-0"),
+                # plain b: sent 3000, scheduled 3008, forward 3088, finished 3091, answered 3099
+                _line("request_scheduled", 3008, request_id=f"cmpl-{rid['plain_b']}-0"),
+                _line("forward_done", 3088),
+                _line("request_finished", 3091, request_id=f"cmpl-{rid['plain_b']}-0"),
+            ]
+        )
+    )
+    d_log.write_text(_line("transfer_released", 1100, transfer_id="t1"))
+    row = {
+        "warmup": False,
+        "plain_a": (rid["plain_a"], _t(0), _t(95)),
+        "sent": _t(1000),
+        "assigned": _t(1004),
+        "p_rid": rid["leg"],
+        "p_answer": _t(1110),
+        "tid": "t1",
+        "d_tokens": [_t(1120), _t(1130), _t(1140)],
+        "g_sent": _t(2000),
+        "g_tokens": [_t(2097), _t(2109), _t(2121)],
+        "plain_d": [_t(2500), _t(2510), _t(2520)],
+        "plain_b": (rid["plain_b"], _t(3000), _t(3099)),
+    }
+    res = phases.analyse([row, {**row, "warmup": True}], phases.Trace(p_log, d_log))
+    p, d = res["p50_ms"], res["paired"]
+    assert res["n"] == 1  # the warm-up row is left out
+    # plain: mean of a (6, 80, 3, 6) and b (8, 80, 3, 8)
+    assert p["plain.sent_to_scheduled"] == pytest.approx(7.0, abs=0.01)
+    assert p["plain.forward"] == pytest.approx(80.0, abs=0.01)
+    assert p["plain.finished_to_answer"] == pytest.approx(7.0, abs=0.01)
+    assert p["plain.answer"] == pytest.approx(97.0, abs=0.01)
+    # the leg, from Assign's answer
+    assert p["pd.assign"] == pytest.approx(4.0, abs=0.01)
+    assert p["pd.sent_to_scheduled"] == pytest.approx(8.0, abs=0.01)
+    assert p["pd.forward"] == pytest.approx(82.0, abs=0.01)
+    assert p["pd.forward_to_finished"] == pytest.approx(7.0, abs=0.01)
+    assert d["leg_minus_plain.forward_to_finished"] == pytest.approx(4.0, abs=0.01)
+    assert p["pd.forward_to_write"] == pytest.approx(3.0, abs=0.01)  # WRITE posted at 1097 = 1099 - 2
+    assert p["pd.write_to_release"] == pytest.approx(1.0, abs=0.01)
+    assert p["pd.release_to_first_token"] == pytest.approx(20.0, abs=0.01)
+    # Generate's leg, found by time
+    assert p["generate.sent_to_scheduled"] == pytest.approx(10.0, abs=0.01)
+    assert p["generate.forward_to_finished"] == pytest.approx(3.0, abs=0.01)
+    assert p["generate.finished_to_answer"] == pytest.approx(4.0, abs=0.01)
+    assert d["generate_ttft_minus_plain_answer"] == pytest.approx(0.0, abs=0.01)
+    assert d["tpot_ratio_pd_to_plain_decode"] == pytest.approx(1.0, abs=0.01)
+    assert d["tpot_ratio_generate_to_plain_decode"] == pytest.approx(1.2, abs=0.01)
+    md = phases.markdown(
+        {
+            **res,
+            "config": {"prompt_len": 1024, "output_len": 3},
+            "load_before": 1.0,
+            "load_after": 1.0,
+            "host": "2 CPUs",
+        }
+    )
+    assert "| → request finished (sampled, output built) | 3.0 | 7.0 | +4.0 | 3.0 | +0.0 |" in md
