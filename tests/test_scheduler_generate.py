@@ -517,3 +517,42 @@ def test_first_tokens_from_a_decode_engine_are_not_relayed() -> None:
             assert [(f.transfer_id, f.prefill_engine_id, f.token_id) for f in dinst.first_tokens] == [("t2", "p0", 6)]
 
     run(body())
+
+
+@pytest.mark.parametrize("handoff", [True, False])
+def test_legs_go_out_prefill_first_with_the_handoff_decode_first_without(handoff: bool) -> None:
+    """With the hand-off the client's first token is prefill's, so its leg is sent first; without
+    it decode's reservation goes first (the push starts when it and the prefill are both done)."""
+    from kvpush.services.scheduler.generate import Chunk, GenerateParams, run_legs
+    from kvpush.services.scheduler.model import AssignmentRecord, InstanceSpec, Role
+
+    calls: list[str] = []
+    first: list[asyncio.Future[pb.FirstToken]] = []
+
+    class Client:
+        async def prefill(self, endpoint: str, p: GenerateParams, params: dict[str, Any]) -> None:
+            calls.append("prefill")
+
+        async def decode(
+            self, endpoint: str, p: GenerateParams, params: dict[str, Any], max_tokens: int | None = None
+        ) -> AsyncIterator[Chunk]:
+            calls.append("decode")
+            first[0].set_result(pb.FirstToken(transfer_id="t1", token_id=11))  # relayed before decode answers
+            await asyncio.sleep(0)
+            yield Chunk([12], "length")
+
+    def spec(engine: str, role: Role) -> InstanceSpec:
+        return InstanceSpec(engine, role, "i", 1, ("127.0.0.1:1",), 100, 16, f"http://127.0.0.1:1/{engine}", (), True)
+
+    rec = AssignmentRecord("t1", 1, spec("p0", Role.PREFILL), spec("d0", Role.DECODE), 1, 0.0, first_token=handoff)
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        first.append(loop.create_future())
+        params = GenerateParams([1, 2, 3], 2, 0.0, True, None)
+        legs = run_legs(Client(), rec, params, loop.create_future(), first_token=first[0])  # type: ignore[arg-type]
+        got = [c.token_ids async for c in legs]
+        assert calls == (["prefill", "decode"] if handoff else ["decode", "prefill"])
+        assert got == ([[11], [12]] if handoff else [[12]])
+
+    run(body())

@@ -233,7 +233,10 @@ async def run_legs(
         if not f.cancelled():
             q.put_nowait(("first", f.result()))
 
-    tasks = [asyncio.create_task(decode_leg()), asyncio.create_task(prefill_leg())]
+    # With the hand-off the client's first token is prefill's: its leg goes on the wire first. Without
+    # it, decode's reservation goes first (the push starts when both it and the prefill are done).
+    legs = (prefill_leg, decode_leg) if handoff else (decode_leg, prefill_leg)
+    tasks = [asyncio.create_task(leg()) for leg in legs]
     lost.add_done_callback(on_lost)
     if handoff:
         assert first_token is not None
