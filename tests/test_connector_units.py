@@ -96,6 +96,21 @@ def test_prefill_scheduler_flags_the_step_with_the_last_chunk() -> None:
     assert not s.has_pending_push_work()
 
 
+@pytest.mark.parametrize("push_after_output", ["true", "false"])
+def test_prefill_scheduler_holds_only_handoff_pushes_for_the_step_output(push_after_output: str) -> None:
+    cfg = ConnectorConfig.from_vllm(_kv_cfg("kv_producer", insecure=True, push_after_output=push_after_output))
+    s = PrefillScheduler(cfg, _vllm_cfg())
+    s._kv_cache_manager = _Blocks({"r1": ([4],), "r2": ([5],)})
+    for rid, tid, handoff in (("r1", "t1", True), ("r2", "t2", False)):
+        s.update_state_after_alloc(_Req(rid, 10, to_params(PrefillLeg(tid, "d", first_token=handoff))), None, 0)
+    meta = s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 10, "r2": 10}))
+    held = {fp.transfer_id: fp.after_output for fp in meta.finished_prefills}
+    assert held == {"t1": push_after_output == "true", "t2": False}
+    assert ConnectorConfig.from_vllm(_kv_cfg(trace_steps=push_after_output)).trace_steps is (
+        push_after_output == "true"
+    )
+
+
 def test_prefill_scheduler_reports_kv_bytes_still_to_push() -> None:
     """The load report's write_bytes_in_flight (the scheduler's prefill busyness): KV handed to the
     writers and not yet sent, one block of every layer on every rank per block."""
