@@ -108,18 +108,8 @@ class Trace:
 
 
 async def _stream(c: serving.Client, url: str, prompt: list[int], n: int, params: Any, rid: str) -> list[float]:
-    """Arrival times (time.time) of each streamed token."""
-    body = await c.body(url, prompt, n, params, stream=True)
-    out: list[float] = []
-    async with c.session.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
-        async for raw in resp.content:
-            line = raw.strip()
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
-            got = len(json.loads(line[5:])["choices"][0].get("token_ids") or [])
-            out.extend([time.time()] * got)
+    """Arrival times (time.time: comparable with the engines' log timestamps) of each streamed token."""
+    out = await c.token_times(url, prompt, n, params, rid, clock=time.time)
     if len(out) != n:
         raise RuntimeError(f"{url}: {len(out)} tokens, expected {n}")
     return out

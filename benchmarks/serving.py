@@ -365,13 +365,18 @@ class Client:
             out: dict[str, Any] = await resp.json()
             return out
 
-    async def stream(
-        self, url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None, rid: str, s: Sample
-    ) -> None:
-        """Streaming completion; fills TTFT (from ``s.sent``), TPOT and ``done`` into ``s``."""
+    async def token_times(
+        self,
+        url: str,
+        prompt: list[int],
+        max_tokens: int,
+        params: dict[str, Any] | None,
+        rid: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> list[float]:
+        """Streaming completion; the ``clock`` time each token arrived, one entry per token."""
         body = await self.body(url, prompt, max_tokens, params, stream=True)
-        first = last = 0.0
-        n = 0
+        times: list[float] = []
         async with self.session.post(f"{url}/v1/completions", json=body, headers={"X-Request-Id": rid}) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"{url}: HTTP {resp.status}: {(await resp.text())[:300]}")
@@ -387,11 +392,15 @@ class Client:
                     raise RuntimeError(f"{url}: stream error {obj['error']}")
                 got = len(obj["choices"][0].get("token_ids") or [])
                 if got:
-                    now = time.monotonic()
-                    first = first or now
-                    last = now
-                    n += got
-        record(s, first, last, n, max_tokens)
+                    times.extend([clock()] * got)
+        return times
+
+    async def stream(
+        self, url: str, prompt: list[int], max_tokens: int, params: dict[str, Any] | None, rid: str, s: Sample
+    ) -> None:
+        """Streaming completion; fills TTFT (from ``s.sent``), TPOT and ``done`` into ``s``."""
+        times = await self.token_times(url, prompt, max_tokens, params, rid)
+        record(s, times[0] if times else 0.0, times[-1] if times else 0.0, len(times), max_tokens)
 
 
 def record(s: Sample, first: float, last: float, n: int, want: int) -> None:

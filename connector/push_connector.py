@@ -101,9 +101,7 @@ class KvPushConnector(KVConnectorBase_V1):
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if self._trace is not None:
-            self._trace.info("request_finished", request_id=request.request_id)
-        return self._sched.request_finished(request)
+        return self.request_finished(request, block_ids[0] if block_ids else [])
 
     def has_pending_push_work(self) -> bool:
         return self._sched.has_pending_push_work()
