@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import random
 from collections import Counter
 
@@ -225,6 +226,49 @@ def test_closed_history_bounded(clock: Clock) -> None:
     assert len(reg.closed) == 3
     with pytest.raises(NotFound):
         reg.release(recs[0].transfer_id, recs[0].epoch, Outcome.OK)
+
+
+def test_closed_history_is_invisible_to_the_garbage_collector(clock: Clock) -> None:
+    """A full collection walks every tracked object; the closed history must add none of its own,
+    whatever its size, or the collector's pauses grow with it (they land in Assign's tail)."""
+    reg = Registry(clock=clock, closed_history=1000)
+    for name in ("p1", "p2"):
+        reg.register(spec(name, Role.PREFILL))
+    reg.register(spec("d"))
+    rerouted = reg.assign(Demand(1))
+    reg.reroute(rerouted.transfer_id, "d", rerouted.prefill.engine_id, max_reroutes=3)
+    recs = [rerouted]
+    reg.release(rerouted.transfer_id, rerouted.epoch, Outcome.FAILED, reason="r" * 40)
+    gc.collect()
+    tracked_before = len(gc.get_objects())
+    for _ in range(2000):
+        recs.append(reg.assign(Demand(1)))
+        reg.release(recs[-1].transfer_id, recs[-1].epoch, Outcome.FAILED, reason="r" * 40)
+    kept = recs[-1].transfer_id
+    del recs[1:]
+    gc.collect()
+    assert len(reg.closed) == 1000
+    assert len(gc.get_objects()) - tracked_before < 50
+    # What it keeps still answers a repeated Release, under the current or an earlier epoch.
+    last = reg.closed[kept]
+    assert (last.state, last.reason) == (State.FAILED, "r" * 40)
+    assert reg.release(kept, last.epoch, Outcome.OK).state is State.FAILED
+    with pytest.raises(FailedPrecondition, match="stale"):
+        reg.release(kept, last.epoch - 1, Outcome.OK)
+
+
+def test_a_rerouted_assignment_is_released_under_an_earlier_epoch_after_it_closed(clock: Clock) -> None:
+    reg = Registry(clock=clock)
+    for name in ("p1", "p2"):
+        reg.register(spec(name, Role.PREFILL))
+    reg.register(spec("d"))
+    rec = reg.assign(Demand(1))
+    first_epoch = rec.epoch
+    reg.reroute(rec.transfer_id, "d", rec.prefill.engine_id, max_reroutes=3)
+    assert reg.release(rec.transfer_id, rec.epoch, Outcome.OK).state is State.OK
+    closed = reg.closed[rec.transfer_id]
+    assert closed.earlier_epochs == (first_epoch,)
+    assert reg.release(rec.transfer_id, first_epoch, Outcome.FAILED).state is State.OK  # idempotent
 
 
 def _inst(engine_id: str, free: int, total: int = 1000, **load: int) -> Instance:

@@ -15,13 +15,14 @@ from __future__ import annotations
 import itertools
 import os
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from kvpush.services.scheduler.closed_history import ClosedHistory
 from kvpush.services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound
 from kvpush.services.scheduler.model import (
     AssignmentRecord,
+    ClosedAssignment,
     Demand,
     Event,
     EventKind,
@@ -72,8 +73,7 @@ class Registry:
         self.clock = clock
         self.instances: dict[str, Instance] = {}
         self.open: dict[str, AssignmentRecord] = {}
-        self.closed: OrderedDict[str, AssignmentRecord] = OrderedDict()
-        self._closed_history = closed_history
+        self.closed = ClosedHistory(closed_history)
         # Epochs grow across scheduler restarts too: start from the wall clock in microseconds.
         self._epochs = itertools.count(first_epoch if first_epoch is not None else time.time_ns() // 1000)
         self.event_listeners: list[Callable[[Event], None]] = []
@@ -290,7 +290,7 @@ class Registry:
             created_at=now,
         )
         self.open[transfer_id] = rec
-        self.closed.pop(transfer_id, None)
+        self.closed.discard(transfer_id)
         decode.open.add(transfer_id)
         decode.add_pending(transfer_id, blocks, now)
         prefill.open.add(transfer_id)
@@ -335,16 +335,20 @@ class Registry:
         prefill.add_pending(transfer_id, 0, self.clock())
         return rec, True
 
-    def release(self, transfer_id: str, epoch: int, outcome: Outcome, reason: str = "") -> AssignmentRecord:
+    def release(
+        self, transfer_id: str, epoch: int, outcome: Outcome, reason: str = ""
+    ) -> AssignmentRecord | ClosedAssignment:
         """Ends an assignment. Idempotent for an already closed one with the same epoch."""
-        rec = self.open.get(transfer_id) or self.closed.get(transfer_id)
+        rec: AssignmentRecord | ClosedAssignment | None = self.open.get(transfer_id)
         if rec is None:
-            raise NotFound(f"unknown transfer {transfer_id!r}")
+            rec = self.closed.get(transfer_id)
+            if rec is None:
+                raise NotFound(f"unknown transfer {transfer_id!r}")
         if rec.epoch != epoch and epoch not in rec.earlier_epochs:
             raise FailedPrecondition(
                 f"transfer {transfer_id!r} epoch {epoch} is stale; the current epoch is {rec.epoch}"
             )
-        if rec.state is State.OPEN:
+        if isinstance(rec, AssignmentRecord) and rec.state is State.OPEN:
             self._close(rec, _OUTCOME_STATE[outcome], reason)
             self._capacity()
         return rec
@@ -360,10 +364,7 @@ class Registry:
                 inst.open.discard(rec.transfer_id)
                 inst.drop_pending(rec.transfer_id)
         if state is not State.SUPERSEDED:
-            self.closed[rec.transfer_id] = rec
-            self.closed.move_to_end(rec.transfer_id)
-            while len(self.closed) > self._closed_history:
-                self.closed.popitem(last=False)
+            self.closed.add(rec)
 
     def _notify_closed(self, rec: AssignmentRecord) -> None:
         for fn in self.closed_listeners:
