@@ -47,6 +47,7 @@ def register(
     on_leg_failures: Callable[[list[pb.LegFailure]], None] | None = None,
     on_first_tokens: Callable[[list[pb.FirstToken]], None] | None = None,
     first_token_handoff: bool = False,
+    vocab_size: int = 0,
 ) -> Registration | None:
     """Registers the engine with the kvpush scheduler and keeps its load stream, when configured."""
     if not cfg.scheduler_address:
@@ -64,8 +65,16 @@ def register(
         tokens_per_block=shape.tokens_per_block,
         http_endpoint=cfg.http_endpoint,
         first_token_handoff=first_token_handoff,
+        vocab_size=vocab_size,
     )
     return Registration(cfg, info, load, on_leg_failures=on_leg_failures, on_first_tokens=on_first_tokens).start()
+
+
+def _vocab_size(vllm_config: Any) -> int:
+    """The model's vocabulary size, registered so that Generate refuses token ids outside it (0:
+    unknown)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    return int(model_config.get_vocab_size()) if model_config is not None else 0
 
 
 def _handoff_problem(cfg: ConnectorConfig, vllm_config: Any) -> str | None:
@@ -115,8 +124,8 @@ class DecodeScheduler:
         self._kv_cache_manager: Any = None
         # First-token hand-off (docs/first_token.md).
         self._handoff_problem = _handoff_problem(cfg, vllm_config)
-        model_config = getattr(vllm_config, "model_config", None)
-        self._vocab = int(model_config.get_vocab_size()) if model_config is not None else 2**31
+        self._vocab_size = _vocab_size(vllm_config)
+        self._vocab = self._vocab_size or 2**31
         self._token_lock = threading.Lock()
         self._token_inbox: list[pb.FirstToken] = []  # from the registration thread
         # transfer id -> prefill engine -> (token, arrival, order): relayed, not yet taken
@@ -165,6 +174,7 @@ class DecodeScheduler:
             on_leg_failures=self._leg_failures,
             on_first_tokens=self._first_tokens,
             first_token_handoff=self._handoff_problem is None,
+            vocab_size=self._vocab_size,
         )
 
     def _first_tokens(self, tokens: list[pb.FirstToken]) -> None:
@@ -393,6 +403,7 @@ class PrefillScheduler:
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.registration: Registration | None = None
         self.legs = LegGate(cfg)  # a refused leg: the request runs as on a plain instance, nothing is pushed
+        self._vocab_size = _vocab_size(vllm_config)
         self._requests: dict[str, tuple[PrefillLeg, Any]] = {}
         self._flagged: set[str] = set()  # KV handed to the writers
         self._held: set[str] = set()  # finished requests whose blocks wait for finished_sending
@@ -417,7 +428,13 @@ class PrefillScheduler:
             self._block_bytes = shape.num_layers * shape.total_kv_heads * shape.head_bytes
         log.info("prefill_engine_ready", endpoints=[h.endpoint for h in ranks])
         self.registration = register(
-            self.cfg, pb.ROLE_PREFILL, self.tp_size, ranks, self._load, on_leg_failures=self._leg_failures
+            self.cfg,
+            pb.ROLE_PREFILL,
+            self.tp_size,
+            ranks,
+            self._load,
+            on_leg_failures=self._leg_failures,
+            vocab_size=self._vocab_size,
         )
 
     def _leg_failures(self, failures: list[pb.LegFailure]) -> None:

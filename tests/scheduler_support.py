@@ -66,8 +66,10 @@ def info(
     tp: int = 1,
     http: str = "",
     first_token_handoff: bool = False,
+    vocab_size: int = 0,
 ) -> pb.InstanceInfo:
     return pb.InstanceInfo(
+        vocab_size=vocab_size,
         first_token_handoff=first_token_handoff,
         engine_id=engine_id,
         role=role,

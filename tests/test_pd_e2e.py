@@ -125,6 +125,23 @@ def test_concurrent_outputs_equal_single_instance(cluster: PDCluster, expected: 
     assert_pushed(before, prompt_sources(cluster.decode), LENGTHS)
 
 
+def test_generate_refuses_a_token_outside_the_vocabulary_and_the_engines_live_on(
+    cluster: PDCluster, expected: dict[int, list[int]]
+) -> None:
+    """Both engines register the model's vocabulary (1024 ids); a prompt with id 1024 would crash
+    vLLM's engine (no tokenizer, so nothing checks it): Generate refuses it, and serves on."""
+    vocab = {
+        s.instance.role: s.instance.vocab_size for s in cluster.stub.ListInstances(pb.ListInstancesRequest()).instances
+    }
+    assert vocab == {pb.ROLE_PREFILL: 1024, pb.ROLE_DECODE: 1024}
+    with pytest.raises(grpc.RpcError) as e:
+        cluster.generate([*prompt_of(40), 1024], MAX_TOKENS)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+    assert cluster.prefill.running and cluster.decode.running
+    tokens, _ = cluster.generate(prompt_of(50), MAX_TOKENS)
+    assert tokens == expected[50]
+
+
 def test_transferred_kv_is_what_decode_uses(cluster: PDCluster) -> None:
     """Decode never recomputes the prompt: a decode-only request with the same params and no
     prefill would wait; here the prefill leg's KV is the only source. Different prompts give

@@ -102,15 +102,21 @@ class FakeVllm:
 
 @contextlib.asynccontextmanager
 async def cluster(
-    prefill: FakeVllm | None = None, decode: FakeVllm | None = None, handoff: bool = False, **kw: Any
+    prefill: FakeVllm | None = None,
+    decode: FakeVllm | None = None,
+    handoff: bool = False,
+    vocab: tuple[int, int] = (0, 0),
+    **kw: Any,
 ) -> AsyncIterator[tuple[Any, Any, FakeVllm, FakeVllm, list[FakeInstance]]]:
     p = await (prefill or FakeVllm("prefill")).start()
     d = await (decode or FakeVllm("decode")).start()
     try:
         async with scheduler(**kw) as (server, stub, channel):
             insts = [
-                await FakeInstance(stub, info("p0", pb.ROLE_PREFILL, http=p.url)).start(),
-                await FakeInstance(stub, info("d0", http=d.url, first_token_handoff=handoff)).start(),
+                await FakeInstance(stub, info("p0", pb.ROLE_PREFILL, http=p.url, vocab_size=vocab[0])).start(),
+                await FakeInstance(
+                    stub, info("d0", http=d.url, first_token_handoff=handoff, vocab_size=vocab[1])
+                ).start(),
             ]
             yield server, stub, p, d, insts
             for i in insts:
@@ -392,6 +398,38 @@ def test_report_leg_failure_reaches_only_the_assignments_decode() -> None:
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             for i in (p0, d0, d1):
                 await i.close()
+
+    run(body())
+
+
+def test_generate_refuses_token_ids_outside_the_vocabulary_before_any_engine_sees_them() -> None:
+    """vLLM without a tokenizer does not check prompt token ids, and its engine dies on one outside
+    the embedding table: Generate must refuse it (the smallest vocabulary any engine registered),
+    with nothing assigned, sent or left behind, and keep serving."""
+
+    async def body() -> None:
+        async with cluster(vocab=(1000, 1024), interval_s=1.0) as (server, stub, p, d, _):
+            for bad in ([1, 2, 1000], [1023], [2**32 - 1]):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.Generate(_req(prompt_token_ids=bad), timeout=WAIT_S):
+                        pass
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert f"token id {max(bad)} is outside the model's vocabulary (ids 0..999)" in e.value.details()
+            assert p.requests == [] and d.requests == []
+            assert not server.registry.open and len(server.registry.closed) == 0
+            msgs = [m async for m in stub.Generate(_req(prompt_token_ids=[0, 999]), timeout=WAIT_S)]
+            assert [t for m in msgs for t in m.token_ids] == [11, 12, 13, 14]
+            assert p.requests[0]["prompt"] == [0, 999]
+
+    run(body())
+
+
+def test_generate_checks_no_vocabulary_when_no_engine_reports_one() -> None:
+    async def body() -> None:
+        async with cluster(interval_s=1.0) as (_server, stub, p, _d, _):
+            msgs = [m async for m in stub.Generate(_req(prompt_token_ids=[5, 70000]), timeout=WAIT_S)]
+            assert [t for m in msgs for t in m.token_ids] == [11, 12, 13, 14]
+            assert p.requests[0]["prompt"] == [5, 70000]
 
     run(body())
 

@@ -56,6 +56,7 @@ def spec_from_pb(info: pb.InstanceInfo) -> InstanceSpec:
         http_endpoint=info.http_endpoint.rstrip("/"),
         agent_incarnations=tuple(getattr(info, "agent_incarnations", ())),
         first_token_handoff=info.role == pb.ROLE_DECODE and info.first_token_handoff,
+        vocab_size=info.vocab_size,
     )
 
 
@@ -70,6 +71,7 @@ def spec_to_pb(spec: InstanceSpec) -> pb.InstanceInfo:
         tokens_per_block=spec.tokens_per_block,
         http_endpoint=spec.http_endpoint,
         first_token_handoff=spec.first_token_handoff,
+        vocab_size=spec.vocab_size,
     )
     if spec.agent_incarnations and _HAS_AGENT_INCARNATIONS:
         info.agent_incarnations.extend(spec.agent_incarnations)

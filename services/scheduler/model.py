@@ -50,6 +50,7 @@ class InstanceSpec:
     # Per TP rank, aligned with agent_endpoints; empty when the instance does not report them.
     agent_incarnations: tuple[str, ...] = ()
     first_token_handoff: bool = False  # decode: continues from the prefill's first token
+    vocab_size: int = 0  # the model's; prompt token ids must be below it (0: unknown)
 
     def validate(self) -> None:
         """Raises ValueError naming the first bad field."""

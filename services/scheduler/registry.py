@@ -372,5 +372,9 @@ class Registry:
 
     # ---------------------------------------------------------------- views
 
+    def vocab_size(self) -> int:
+        """The smallest vocabulary size a registered instance reported (0: none reported one)."""
+        return min((i.spec.vocab_size for i in self.instances.values() if i.spec.vocab_size), default=0)
+
     def snapshot(self) -> Iterable[Instance]:
         return list(self.instances.values())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any, NoReturn
@@ -662,6 +662,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await self._refuse(
                 context, "Reroute", grpc.StatusCode.INVALID_ARGUMENT, f"prompt must have 1..{_MAX_PROMPT_TOKENS} tokens"
             )
+        outside = self._outside_vocab(request.prompt_token_ids)
+        if outside is not None:
+            await self._refuse(context, "Reroute", grpc.StatusCode.INVALID_ARGUMENT, outside)
         log = self.log.bind(transfer_id=request.transfer_id)
         try:
             rec, moved = self.registry.reroute(
@@ -708,6 +711,17 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         except LegError as exc:
             self.leg_failed(rec, prefill, f"rerouted prefill leg: {exc.message}")
 
+    def _outside_vocab(self, token_ids: Sequence[int]) -> str | None:
+        """Why a prompt cannot go to the engines: a token id outside the model's vocabulary (the
+        smallest any registered engine reported). vLLM without a tokenizer does not check and its
+        engine dies on it. None when every id is inside, or no engine reported its vocabulary."""
+        vocab = self.registry.vocab_size()
+        if vocab:
+            top = max(token_ids)
+            if top >= vocab:
+                return f"prompt token id {top} is outside the model's vocabulary (ids 0..{vocab - 1})"
+        return None
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
@@ -745,6 +759,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 raise InvalidArgument(bound)
             if not request.temperature >= 0.0:
                 raise InvalidArgument("temperature must be >= 0")
+            outside = self._outside_vocab(request.prompt_token_ids)
+            if outside is not None:
+                self.log.warning("request_refused", method="Generate", code="INVALID_ARGUMENT", reason=outside)
+                raise InvalidArgument(outside)
             demand = Demand(len(request.prompt_token_ids), request.max_tokens)
             rec = await self._admit(demand, "", context.time_remaining())
             rec.held = True  # released below, whatever happens

@@ -908,6 +908,7 @@ class InstanceInfo(_message.Message):
     HTTP_ENDPOINT_FIELD_NUMBER: _builtins.int
     AGENT_INCARNATIONS_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_HANDOFF_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     role: Global___Role.ValueType
     incarnation: _builtins.str
@@ -919,6 +920,10 @@ class InstanceInfo(_message.Message):
     first_token_handoff: _builtins.bool
     """Decode: continues a request from the first token its prefill sampled (appended to the
     prompt before generating), so a frontend may stream that token at once (docs/first_token.md).
+    """
+    vocab_size: _builtins.int
+    """The model's vocabulary size: a prompt token id at or above it is refused by Generate before
+    any engine sees it (vLLM without a tokenizer would crash on it). 0: unknown, nothing checked.
     """
     @_builtins.property
     def agent_endpoints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -941,10 +946,11 @@ class InstanceInfo(_message.Message):
         http_endpoint: _builtins.str = ...,
         agent_incarnations: _abc.Iterable[_builtins.str] | None = ...,
         first_token_handoff: _builtins.bool = ...,
+        vocab_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoints", b"agent_endpoints", "agent_incarnations", b"agent_incarnations", "engine_id", b"engine_id", "first_token_handoff", b"first_token_handoff", "http_endpoint", b"http_endpoint", "incarnation", b"incarnation", "role", b"role", "tokens_per_block", b"tokens_per_block", "total_kv_blocks", b"total_kv_blocks", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_endpoints", b"agent_endpoints", "agent_incarnations", b"agent_incarnations", "engine_id", b"engine_id", "first_token_handoff", b"first_token_handoff", "http_endpoint", b"http_endpoint", "incarnation", b"incarnation", "role", b"role", "tokens_per_block", b"tokens_per_block", "total_kv_blocks", b"total_kv_blocks", "tp_size", b"tp_size", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
