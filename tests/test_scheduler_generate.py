@@ -33,7 +33,7 @@ class FakeVllm:
     status: int = 200
     hang: bool = False  # never answer (until the client goes away)
     gate: asyncio.Event | None = None  # decode waits for it before its last token
-    start_gate: asyncio.Event | None = None  # decode waits for it before its first token
+    start_gate: asyncio.Event | None = None  # decode waits for it before its first token (or its error)
     requests: list[dict[str, Any]] = field(default_factory=list)
     model_calls: int = 0
     received: asyncio.Event = field(default_factory=asyncio.Event)
@@ -69,6 +69,8 @@ class FakeVllm:
             if self.hang:
                 await asyncio.Event().wait()
             if self.status != 200:
+                if self.start_gate is not None:
+                    await self.start_gate.wait()
                 return web.Response(status=self.status, text=f"{self.role} exploded: out of cheese")
             # Both legs must carry our kv_transfer_params, and of the right role.
             leg = transfer_params.parse(body["kv_transfer_params"])
@@ -214,12 +216,25 @@ def test_generate_prefill_http_error_leaves_the_answer_to_decode() -> None:
             (f,) = decode_inst.leg_failures
             assert (f.transfer_id, f.prefill_engine_id) == (rec.transfer_id, "p0") and "500" in f.reason, f
             assert prefill_inst.leg_failures == []
+        # Decode fails only once the prefill leg's failure was seen (decode heard of it), as when a
+        # decode gives up on a transfer whose prefill died: its error then names both. (Both failing
+        # at once would race: decode's leg goes out first, and its error alone is then right too.)
+        decode_fails = asyncio.Event()
         async with cluster(
-            prefill=FakeVllm("prefill", status=500), decode=FakeVllm("decode", status=500), interval_s=1.0
-        ) as (server, stub, _p, _d, _):
+            prefill=FakeVllm("prefill", status=500),
+            decode=FakeVllm("decode", status=500, start_gate=decode_fails),
+            interval_s=1.0,
+        ) as (server, stub, _p, _d, (_, decode_inst)):
+
+            async def release_decode() -> None:
+                await wait_for(lambda: bool(decode_inst.leg_failures))
+                decode_fails.set()
+
+            releaser = asyncio.create_task(release_decode())
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 async for _ in stub.Generate(_req(), timeout=WAIT_S):
                     pass
+            await releaser
             assert e.value.code() == grpc.StatusCode.INTERNAL
             assert "after the prefill leg failed" in e.value.details()
 
