@@ -439,6 +439,20 @@ def test_generate_refuses_token_ids_outside_the_vocabulary_before_any_engine_see
     run(body())
 
 
+def test_generate_refuses_a_temperature_that_is_not_a_finite_non_negative_number() -> None:
+    async def body() -> None:
+        async with cluster(interval_s=1.0) as (server, stub, p, d, _):
+            for bad in (-0.5, float("inf"), float("-inf"), float("nan")):
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    async for _ in stub.Generate(_req(temperature=bad), timeout=WAIT_S):
+                        pass
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+                assert "temperature must be finite and >= 0" in e.value.details()
+            assert p.requests == [] and d.requests == [] and not server.registry.open
+
+    run(body())
+
+
 def test_generate_checks_no_vocabulary_when_no_engine_reports_one() -> None:
     async def body() -> None:
         async with cluster(interval_s=1.0) as (_server, stub, p, _d, _):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -757,8 +758,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 bound = f"max_tokens above {limits.MAX_MAX_TOKENS} or request_id above {limits.MAX_ID_CHARS} characters"
                 self.log.warning("request_refused", method="Generate", code="INVALID_ARGUMENT", reason=bound)
                 raise InvalidArgument(bound)
-            if not request.temperature >= 0.0:
-                raise InvalidArgument("temperature must be >= 0")
+            if not 0.0 <= request.temperature < math.inf:
+                # NaN and infinity too: the leg's JSON would carry them as NaN / Infinity.
+                raise InvalidArgument("temperature must be finite and >= 0")
             outside = self._outside_vocab(request.prompt_token_ids)
             if outside is not None:
                 self.log.warning("request_refused", method="Generate", code="INVALID_ARGUMENT", reason=outside)
