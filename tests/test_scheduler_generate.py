@@ -275,9 +275,17 @@ def test_generate_client_cancel_aborts_both_legs() -> None:
 
 
 def test_generate_fails_when_decode_dies() -> None:
+    """Decode streamed, then its lease ran out and it streamed nothing more for decode_stall_s."""
+
     async def body() -> None:
         gate = asyncio.Event()
-        async with cluster(decode=FakeVllm("decode", gate=gate), interval_s=0.05) as (server, stub, p, d, insts):
+        async with cluster(decode=FakeVllm("decode", gate=gate), interval_s=0.05, decode_stall_s=0.3) as (
+            server,
+            stub,
+            p,
+            d,
+            insts,
+        ):
             call = stub.Generate(_req(), timeout=WAIT_S)
             await call.read()
             insts[1].reporting.clear()  # the decode instance's lease runs out
@@ -285,8 +293,62 @@ def test_generate_fails_when_decode_dies() -> None:
                 while await call.read() is not grpc.aio.EOF:
                     pass
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert "assignment lost" in e.value.details() and "lease expired" in e.value.details()
+            details = e.value.details() or ""
+            assert "assignment lost" in details and "lease expired" in details, details
+            assert "decode streamed nothing for 0.3s after" in details, details
             await asyncio.wait_for(d.disconnected.wait(), WAIT_S)
+
+    run(body())
+
+
+def test_generate_follows_a_streaming_decode_whose_lease_ran_out() -> None:
+    """A decode starved of CPU misses its load reports and is declared dead, but it is decoding: its
+    own stream decides. The call ends OK with every token; the scheduler releases nothing twice."""
+
+    async def body() -> None:
+        gate = asyncio.Event()
+        async with cluster(decode=FakeVllm("decode", gate=gate), interval_s=0.05, decode_stall_s=WAIT_S) as (
+            server,
+            stub,
+            p,
+            d,
+            insts,
+        ):
+            call = stub.Generate(_req(), timeout=WAIT_S * 2)
+            first = await call.read()
+            insts[1].reporting.clear()  # the decode instance's lease runs out
+            await wait_for(lambda: first.transfer_id in server.registry.closed)
+            assert "lease expired" in server.registry.closed[first.transfer_id].reason
+            gate.set()  # decode was only slow: its last token comes
+            rest = []
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                rest.append(msg)
+            assert [t for m in [first, *rest] for t in m.token_ids] == [11, 12, 13, 14]
+            assert await call.code() == grpc.StatusCode.OK
+            assert server.registry.closed[first.transfer_id].state is State.FAILED  # as the lease left it
+
+    run(body())
+
+
+def test_generate_fails_at_once_when_decode_is_lost_before_it_streamed() -> None:
+    """Before decode streams, the request still needs the assignment (its KV has not landed): losing
+    it ends the call at once, whatever decode_stall_s is."""
+
+    async def body() -> None:
+        start = asyncio.Event()
+        async with cluster(
+            decode=FakeVllm("decode", start_gate=start), interval_s=0.05, decode_stall_s=WAIT_S * 10
+        ) as (server, stub, p, d, insts):
+            call = stub.Generate(_req(), timeout=WAIT_S)
+            await asyncio.wait_for(d.received.wait(), WAIT_S)
+            insts[1].reporting.clear()  # the decode instance's lease runs out
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "assignment lost" in (e.value.details() or "") and "streamed nothing" not in (
+                e.value.details() or ""
+            )
 
     run(body())
 

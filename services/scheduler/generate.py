@@ -20,9 +20,12 @@ from typing import Any
 import aiohttp
 
 from kvpush.services.common.leg_signing import LegSigner
+from kvpush.services.common.logs import get_logger
 from kvpush.services.scheduler.convert import leg_params
 from kvpush.services.scheduler.model import AssignmentRecord
 from kvpush.v1 import kvpush_pb2 as pb
+
+log = get_logger("scheduler")
 
 _UNAVAILABLE_HTTP = {502, 503, 504}
 _MAX_BODY = 2000
@@ -187,6 +190,7 @@ async def run_legs(
     signer: LegSigner | None = None,
     on_prefill_failed: Callable[[str, str], object] | None = None,
     first_token: asyncio.Future[pb.FirstToken] | None = None,
+    lost_stall_s: float = 0.0,
 ) -> AsyncIterator[Chunk]:
     """Sends both legs at once (signed by ``signer`` when given) and yields the decode chunks. Raises
     LegError when the decode leg fails, AssignmentLost when ``lost`` resolves first. A failed prefill
@@ -198,7 +202,12 @@ async def run_legs(
 
     ``first_token`` (with ``rec.first_token``): resolves with the token prefill sampled; it is
     yielded first, the decode leg asks for one token less, and its chunks follow (a decode chunk
-    can only come after decode got the same token, but is held back until it was yielded)."""
+    can only come after decode got the same token, but is held back until it was yielded).
+
+    ``lost_stall_s`` > 0: once the decode leg has streamed (its KV landed, so the request needs
+    nothing more of the assignment), losing the assignment (its decode's lease ran out: a decode
+    starved of CPU looks like a dead one) does not end the call; decode's own stream decides, and
+    the call ends with AssignmentLost only if no chunk comes for ``lost_stall_s`` after it."""
     prefill_params, decode_params = leg_params(rec, signer)
     handoff = rec.first_token and first_token is not None
     q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
@@ -243,9 +252,18 @@ async def run_legs(
         first_token.add_done_callback(on_first_token)
     held: list[Chunk] = []  # decode chunks that came before the first token was yielded
     waiting_first = handoff
+    decode_streamed = False
+    lost_while_streaming = ""
     try:
         while True:
-            kind, value = await q.get()
+            if not lost_while_streaming:
+                kind, value = await q.get()
+            else:
+                try:
+                    kind, value = await asyncio.wait_for(q.get(), lost_stall_s)
+                except TimeoutError:
+                    stalled = f"{lost_while_streaming} (and decode streamed nothing for {lost_stall_s:g}s after)"
+                    raise AssignmentLost(stalled) from None
             if kind == "first":
                 waiting_first = False
                 yield Chunk(token_ids=[int(value.token_id)], finish_reason="stop" if value.stopped else "")
@@ -255,6 +273,7 @@ async def run_legs(
                     yield chunk
                 held.clear()
             elif kind == "chunk":
+                decode_streamed = True
                 if waiting_first:
                     held.append(value)
                 else:
@@ -268,6 +287,10 @@ async def run_legs(
                     why = f"{value.message} (after the prefill leg failed: {prefill_error[0].message})"
                     raise LegError(value.leg, why, value.unavailable)
                 raise value
+            elif decode_streamed and lost_stall_s > 0:
+                if not lost_while_streaming:
+                    log.warning("generate_assignment_lost_decode_streaming", transfer_id=rec.transfer_id, reason=value)
+                lost_while_streaming = value
             else:
                 raise AssignmentLost(value)
         # Decode finished, so prefill's KV arrived; give its HTTP answer a moment, then drop it.

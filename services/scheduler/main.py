@@ -61,6 +61,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         help="prefill engines one transfer may be tried on (Reroute), the first included",
     )
+    _flag(
+        p,
+        "--decode-stall-s",
+        "5",
+        type=float,
+        help="Generate: after a streaming decode's assignment is lost (lease), end the call only if "
+        "decode streams nothing for this long (0: end it at once)",
+    )
     _flag(p, "--model", "", help="served model name for Generate; empty: the first entry of GET /v1/models")
     _flag(
         p,
@@ -166,7 +174,10 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
         ),
         decode_policy=args.decode_policy,
         servicer=ServicerConfig(
-            max_queue_s=args.max_queue_s, max_queued=args.max_queued, max_reroutes=args.max_reroutes
+            max_queue_s=args.max_queue_s,
+            max_queued=args.max_queued,
+            max_reroutes=args.max_reroutes,
+            decode_stall_s=args.decode_stall_s,
         ),
         model=args.model,
         http_read_timeout_s=args.http_read_timeout_s,

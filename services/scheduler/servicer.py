@@ -60,6 +60,9 @@ class ServicerConfig:
     max_generate: int = limits.MAX_CONCURRENT_GENERATE  # Generate calls in flight at once
     max_instances: int = limits.MAX_INSTANCES  # registered instances
     max_reroutes: int = 2  # prefill engines one transfer is tried on (Reroute), the first included
+    # Generate, once decode streams: an assignment lost under it (decode's lease ran out) ends the
+    # call only if decode then streams nothing for this long (a starved decode is not a dead one).
+    decode_stall_s: float = 5.0
 
 
 class _Signal:
@@ -806,6 +809,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 self.signer,
                 on_prefill_failed=partial(self.leg_failed, rec),
                 first_token=first_token,
+                lost_stall_s=self.config.decode_stall_s,
             ):
                 msg = pb.GenerateResponse(
                     transfer_id=rec.transfer_id,
