@@ -1,10 +1,20 @@
 """Keeps one vLLM instance registered with the kvpush scheduler: ``Register`` once, then a load
-stream whose reports renew the lease. Runs on its own daemon thread; reconnects with backoff."""
+stream whose reports renew the lease. Runs on its own daemon thread; reconnects with backoff.
+
+First tokens (prefill, first-token hand-off) ride on the reports and are delivered at least once: a
+report's tokens count as delivered only when the scheduler acks that report (it relays them before
+it acks). Tokens of reports the stream lost unacked (the scheduler restarted, or declared this
+engine dead while it was starved of CPU and refused its report) go out again on the next stream,
+until ``first_token_wait_s`` after they were sampled, when decode has given up on them anyway.
+A token relayed twice is harmless: decode and Generate take the first one for a transfer."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -17,6 +27,18 @@ from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
 log = get_logger("kvpush.connector.registration")
+
+_Sampled = tuple[pb.FirstToken, float]  # a first token and when it was sampled (monotonic)
+
+
+@dataclass
+class _Stream:
+    """One load stream's report bookkeeping. grpc keeps pulling reports from a stream's generator
+    for a while after the stream broke, so each stream has its own: once it is over, its generator
+    takes no more tokens, and the tokens it took and no ack confirmed go back in the queue."""
+
+    unacked: deque[list[_Sampled]] = field(default_factory=deque)  # per sent report, oldest first
+    over: bool = False
 
 
 class Registration:
@@ -43,7 +65,7 @@ class Registration:
         self._stop = threading.Event()
         self._wake = threading.Event()  # a report to send now: first tokens, or stop
         self._lock = threading.Lock()
-        self._first_tokens: list[pb.FirstToken] = []
+        self._first_tokens: list[_Sampled] = []  # to send on the next report
         self._thread = threading.Thread(target=self._run, name="kvpush-registration", daemon=True)
         self.registered = threading.Event()
 
@@ -58,26 +80,62 @@ class Registration:
 
     def first_token(self, token: pb.FirstToken) -> None:
         """Sends ``token`` (prefill: the first token of a hand-off transfer) on the load stream now,
-        not at the report cadence. Thread-safe; dropped (and logged) beyond a bound, e.g. while the
-        scheduler is unreachable: the decode request then fails within its transfer timeout."""
+        not at the report cadence, and again on the next stream if this one ends before the
+        scheduler acked the report carrying it. Thread-safe; dropped (and logged) beyond a bound of
+        queued tokens, or ``first_token_wait_s`` after it was sampled."""
         with self._lock:
             if len(self._first_tokens) >= limits.MAX_EXPECTATIONS_PER_CALL:
                 log.warning("first_token_dropped", transfer_id=token.transfer_id, reason="too many queued")
                 return
-            self._first_tokens.append(token)
+            self._first_tokens.append((token, time.monotonic()))
         self._wake.set()
 
-    def _take_first_tokens(self) -> list[pb.FirstToken]:
+    def _take_first_tokens(self, stream: _Stream) -> list[pb.FirstToken] | None:
+        """The tokens for ``stream``'s next report, remembered until the scheduler acks it; None
+        once the stream is over."""
         with self._lock:
+            if stream.over:
+                return None
             out, self._first_tokens = self._first_tokens, []
-        return out
+            stream.unacked.append(out)
+        return [t for t, _ in out]
 
-    def _reports(self, interval_s: float) -> Iterator[pb.LoadReport]:
+    def _acked(self, stream: _Stream) -> None:
+        """The scheduler acked ``stream``'s oldest unacked report: it relayed that report's tokens."""
+        with self._lock:
+            if stream.unacked:
+                stream.unacked.popleft()
+
+    def _end(self, stream: _Stream) -> None:
+        """``stream`` is over: the tokens of its reports that no ack confirmed go out again on the
+        next one, unless older than ``first_token_wait_s`` (decode failed those requests already)."""
+        cutoff = time.monotonic() - self.cfg.first_token_wait_s
+        with self._lock:
+            stream.over = True
+            keep: list[_Sampled] = []
+            expired: list[pb.FirstToken] = []
+            for report in stream.unacked:
+                for token, sampled_at in report:
+                    if sampled_at >= cutoff:
+                        keep.append((token, sampled_at))
+                    else:
+                        expired.append(token)
+            stream.unacked.clear()
+            self._first_tokens = (keep + self._first_tokens)[: limits.MAX_EXPECTATIONS_PER_CALL]
+        for token in expired:
+            log.warning("first_token_dropped", transfer_id=token.transfer_id, reason="expired, never acked")
+        if keep:
+            log.info("first_tokens_resent", count=len(keep))
+
+    def _reports(self, interval_s: float, stream: _Stream) -> Iterator[pb.LoadReport]:
         while not self._stop.is_set():
             report = self.load()
             report.engine_id = self.info.engine_id
             report.incarnation = self.info.incarnation
-            report.first_tokens.extend(self._take_first_tokens())
+            tokens = self._take_first_tokens(stream)
+            if tokens is None:
+                return  # the stream is over (grpc may still pull from it)
+            report.first_tokens.extend(tokens)
             yield report
             self._wake.wait(interval_s)
             self._wake.clear()
@@ -89,6 +147,7 @@ class Registration:
         backoff = 0.2
         while not self._stop.is_set():
             channel = self.security.sync_channel(self.cfg.scheduler_address, CHANNEL_OPTIONS)
+            stream = _Stream()
             try:
                 stub = pb_grpc.SchedulerStub(channel)
                 resp = stub.Register(pb.RegisterRequest(instance=self.info), timeout=5)
@@ -96,7 +155,9 @@ class Registration:
                 self.registered.set()
                 log.info("registered", scheduler=self.cfg.scheduler_address, engine_id=self.info.engine_id)
                 backoff = 0.2
-                for ack in stub.ReportLoad(self._reports(interval)):
+                for ack in stub.ReportLoad(self._reports(interval, stream)):
+                    if ack.sequence:  # a report's ack (pushes between reports carry no sequence)
+                        self._acked(stream)
                     if ack.leg_failures and self.on_leg_failures is not None:
                         failures = list(ack.leg_failures)[: limits.MAX_EXPECTATIONS_PER_CALL]
                         try:
@@ -118,6 +179,7 @@ class Registration:
                     detail=exc.details() if isinstance(exc, grpc.Call) else None,
                 )
             finally:
+                self._end(stream)
                 channel.close()
             if self._stop.wait(backoff):
                 return

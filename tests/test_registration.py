@@ -1,0 +1,80 @@
+"""An engine's registration with the scheduler over real gRPC: the load stream, and first tokens
+delivered at least once across the stream's loss."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from types import SimpleNamespace
+
+from scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
+
+from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.registration import Registration
+from kvpush.v1 import kvpush_pb2 as pb
+
+
+def _config(address: str, engine_id: str) -> ConnectorConfig:
+    extra = {"scheduler_address": address, "load_report_ms": 20, "insecure": True}
+    return ConnectorConfig.from_vllm(
+        SimpleNamespace(kv_role="kv_producer", engine_id=engine_id, kv_connector_extra_config=extra)
+    )
+
+
+def test_a_first_token_in_a_report_the_scheduler_refused_goes_out_again_on_the_next_stream() -> None:
+    """Prefill is starved of CPU past its lease (as in the soak, next to a restarting engine): the
+    scheduler declares it dead, and refuses the report that carries the token it sampled meanwhile.
+    The token must still reach decode once prefill registers again; lost, decode's request would
+    fail after first_token_wait_s although its KV had landed."""
+
+    async def body() -> None:
+        async with scheduler(interval_s=0.1) as (server, stub, _):
+            decode = await FakeInstance(stub, info("d0")).start()
+            running = threading.Event()
+            running.set()
+
+            def load() -> pb.LoadReport:
+                running.wait()
+                return pb.LoadReport(free_blocks=10)
+
+            reg = Registration(_config(server.address, "p0"), info("p0", pb.ROLE_PREFILL), load).start()
+            try:
+                assert await asyncio.to_thread(reg.registered.wait, WAIT_S)
+                await wait_for(lambda: "p0" in server.registry.instances)
+                running.clear()  # starved: the next report waits in load()
+                await wait_for(lambda: "p0" not in server.registry.instances)  # its lease ran out
+                reg.first_token(pb.FirstToken(transfer_id="t1", decode_engine_id="d0", token_id=42))
+                running.set()  # that report, with the token, reaches a scheduler that dropped p0
+                await wait_for(lambda: bool(decode.first_tokens))
+                assert [(t.transfer_id, t.token_id, t.prefill_engine_id) for t in decode.first_tokens] == [
+                    ("t1", 42, "p0")
+                ]
+                assert "p0" in server.registry.instances  # registered again
+            finally:
+                running.set()
+                await asyncio.to_thread(reg.stop)
+                await decode.close()
+
+    run(body())
+
+
+def test_acked_first_tokens_are_sent_once() -> None:
+    async def body() -> None:
+        async with scheduler(interval_s=0.1) as (server, stub, _):
+            decode = await FakeInstance(stub, info("d0")).start()
+            reg = Registration(
+                _config(server.address, "p0"), info("p0", pb.ROLE_PREFILL), lambda: pb.LoadReport(free_blocks=10)
+            ).start()
+            try:
+                assert await asyncio.to_thread(reg.registered.wait, WAIT_S)
+                for i in range(3):
+                    reg.first_token(pb.FirstToken(transfer_id=f"t{i}", decode_engine_id="d0", token_id=i))
+                await wait_for(lambda: len(decode.first_tokens) == 3)
+                seen = decode.acks
+                await wait_for(lambda: decode.acks >= seen + 10)  # many reports later
+                assert sorted(t.transfer_id for t in decode.first_tokens) == ["t0", "t1", "t2"]
+            finally:
+                await asyncio.to_thread(reg.stop)
+                await decode.close()
+
+    run(body())
