@@ -312,7 +312,10 @@ class DecodeScheduler:
             [list(g) for g in new],
             request.num_prompt_tokens,
             skip,
-            prompt_token_ids=getattr(request, "prompt_token_ids", None) or (),  # None for prompt embeds: no retry
+            # A copy: the first-token hand-off appends to the request's list later, and a retry
+            # elsewhere must send the prompt whose KV this reservation holds (None for prompt
+            # embeds: no retry).
+            prompt_token_ids=tuple(getattr(request, "prompt_token_ids", None) or ()),
         )
         self._reserved[rid] = (leg.transfer_id, epoch)
         self._holders.setdefault(leg.transfer_id, rid)

@@ -47,8 +47,10 @@ class _Agent:
     def __init__(self, prefill: str = "p0") -> None:
         self.prefill = prefill
         self.cancelled: list[str] = []
+        self.prompts: dict[str, Any] = {}  # transfer id -> prompt_token_ids given to reserve
 
     def reserve(self, tid: str, rid: str, leg: DecodeLeg, *a: Any, **kw: Any) -> int:
+        self.prompts[tid] = kw.get("prompt_token_ids")
         return 1
 
     def prefill_of(self, tid: str) -> str | None:
@@ -158,6 +160,21 @@ def test_a_rerouted_transfer_takes_its_new_prefills_token() -> None:
     agent.prefill = "p1"
     s._first_tokens([_token(prefill="p1", token=5)])
     assert _step(s).first_token_delivered == ["r"] and r.prompt_token_ids[-1] == 5
+
+
+def test_a_retry_after_the_first_token_sends_the_prompt_the_reservation_holds() -> None:
+    """The reservation holds the prompt's KV; once prefill's token is appended to the request, a
+    retry elsewhere (its prefill died mid-transfer) must still send that prompt, not the prompt and
+    the token: the new prefill would compute one token more than decode reserved (the soak's
+    'token count mismatch: prefill computed 388, decode expects 387')."""
+    s, agent = _decode()
+    prompt = list(range(3, 40))
+    r = _request("r", prompt, _leg())
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    s._first_tokens([_token(token=5)])
+    assert _step(s).first_token_delivered == ["r"] and r.num_prompt_tokens == 38
+    assert list(agent.prompts["t"]) == prompt
 
 
 def test_a_rerouted_prefills_token_that_overtakes_the_new_leg_waits_for_it() -> None:

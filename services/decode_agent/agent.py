@@ -220,7 +220,7 @@ class DecodeAgent:
             reserved_at=time.monotonic(),
         )
         pending = _Pending(transfer, leg, block_ids, num_tokens, num_skip_blocks, time.monotonic())
-        pending.prompt_token_ids = prompt_token_ids
+        pending.prompt_token_ids = tuple(prompt_token_ids)  # the caller's list may change later
         self._loop.call_soon(self._start_publish, pending)
         return epoch
 
