@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvpush.v1 import kvpush_pb2 as pb
@@ -203,12 +204,12 @@ class Bench:
         res = _summary(f"closed loop, {workers} workers", lat, errs[0], time.perf_counter() - start, None)
         return res
 
-    async def open_streams(self, streams: int, max_batch: int, in_flight: int) -> None:
+    async def open_streams(self, streams: int, max_batch: int, in_flight: int, compact: bool = True) -> None:
         from kvpush.services.scheduler.assign_client import AssignStreamClient
 
         self.clients = [
             await AssignStreamClient(
-                self.stubs[i % len(self.stubs)], max_batch=max_batch, max_in_flight=in_flight
+                self.stubs[i % len(self.stubs)], max_batch=max_batch, max_in_flight=in_flight, compact=compact
             ).start()
             for i in range(streams)
         ]
@@ -227,12 +228,14 @@ class Bench:
         self._n += 1
         client = self.clients[self._n % len(self.clients)]
         t0 = time.perf_counter() if arrival is None else arrival
+        request = pb.AssignRequest(prompt_tokens=512, max_tokens=128)
         try:
-            a = await client.assign(pb.AssignRequest(prompt_tokens=512, max_tokens=128))
+            a = await (client.assign_compact(request) if client.compact else client.assign(request))
         except AssignError:
             errs[0] += 1
             return
         lat.append(time.perf_counter() - t0)
+        _leg_bodies(a)
         client.release(a.transfer_id, a.epoch, pb.OUTCOME_OK)
 
     async def stream_open_loop(self, rate: float, seconds: float) -> dict[str, Any]:
@@ -312,6 +315,21 @@ def _self_cpu_s() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def _leg_bodies(a: pb.Assignment | pb.CompactAssignment) -> tuple[str, str]:
+    """What a frontend does with an assignment before it sends the legs: their kv_transfer_params
+    as JSON in each HTTP body (the prompt left out; it costs the same either way). From a full
+    answer: Struct to dict to JSON; from a compact one: the legs' JSON text spliced in."""
+    if isinstance(a, pb.CompactAssignment):
+        return (
+            '{"kv_transfer_params":' + a.prefill_kv_transfer_params_json + "}",
+            '{"kv_transfer_params":' + a.decode_kv_transfer_params_json + "}",
+        )
+    return (
+        json.dumps({"kv_transfer_params": MessageToDict(a.prefill_kv_transfer_params)}),
+        json.dumps({"kv_transfer_params": MessageToDict(a.decode_kv_transfer_params)}),
+    )
+
+
 class _EchoScheduler(pb_grpc.SchedulerServicer):
     """The gRPC floor: same service and messages, no scheduling logic."""
 
@@ -339,7 +357,8 @@ class _EchoScheduler(pb_grpc.SchedulerServicer):
             resp = pb.AssignStreamResponse(batch_id=batch.batch_id)
             for _ in batch.assigns:
                 self._n += 1
-                resp.assigns.add().assignment.transfer_id = str(self._n)
+                result = resp.assigns.add()
+                (result.compact if batch.compact else result.assignment).transfer_id = str(self._n)
             for _ in batch.releases:
                 resp.releases.add()
             yield resp
@@ -450,7 +469,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
         stream_rates = [float(r) for r in args.stream_rates.split(",") if r]
         if stream_rates or args.stream_workers:
-            await bench.open_streams(args.streams, args.max_batch, args.max_in_flight)
+            await bench.open_streams(args.streams, args.max_batch, args.max_in_flight, bool(args.compact))
             await bench.stream_open_loop(min(stream_rates or [1000.0]), 1.0)  # warm-up
             for rate in stream_rates:
                 results.append(await _with_cpu(bench.stream_open_loop(rate, args.seconds), proc.pid))
@@ -482,7 +501,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 floor["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
                 results.append(floor)
             if "stream" in floors:
-                await bench.open_streams(args.streams, args.max_batch, args.max_in_flight)
+                await bench.open_streams(args.streams, args.max_batch, args.max_in_flight, bool(args.compact))
                 for workers in sorted({1, args.stream_workers}):
                     await bench.stream_closed_loop(workers, 1.0)  # warm-up
                     floor = await _with_cpu(bench.stream_closed_loop(workers, args.seconds), proc.pid)
@@ -511,6 +530,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "streams": args.streams,
             "max_batch": args.max_batch,
             "max_in_flight": args.max_in_flight,
+            "compact": bool(args.compact),
             "note": "client-observed Assign round trip (Releases not timed: 'inline' = sent by the same task "
             "right after its Assign, 'after' = all sent once the phase ends); scheduler in its own process, "
             "clients in this one, same host; CPU per Assign+Release pair from /proc and getrusage; the "
@@ -587,6 +607,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--streams", type=int, default=1, help="AssignStream streams (one client each)")
     p.add_argument("--max-batch", type=int, default=256, help="assigns per AssignStream batch at most")
     p.add_argument("--max-in-flight", type=int, default=1, help="unanswered batches per stream at most")
+    p.add_argument(
+        "--compact",
+        type=int,
+        choices=(0, 1),
+        default=1,
+        help="AssignStream answers: 1 CompactAssignment (legs as JSON text), 0 Assignment (legs as Struct)",
+    )
     p.add_argument("--out", default=str(ROOT / "bench-results/scheduler.json"))
     p.add_argument(
         "--baseline",

@@ -821,6 +821,10 @@ class Harness:
             pair = Pair(servers[0][0], servers[1][0], p_side, sched)
             if sched is not None:
                 sched.wait_registered(timeout_s=120.0)
+                if a.scheduler_core is not None:
+                    from kvpush.services.common.vllm_server import pin_process_tree
+
+                    pin_process_tree(sched.proc.pid, a.scheduler_core)
             yield pair
         finally:
             for srv, _ in servers:
@@ -1521,6 +1525,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--kv-buffer-device", default="cpu")
     ap.add_argument("--prefill-core", type=int, default=None)
     ap.add_argument("--decode-core", type=int, default=None)
+    ap.add_argument(
+        "--scheduler-core",
+        type=int,
+        default=None,
+        help="pin the scheduler's threads to this core (default: not pinned, the OS places them)",
+    )
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin process trees (GPU machines)")
     ap.add_argument("--prefill-env", action="append", default=[], help="KEY=VAL for P (and single), repeatable")
     ap.add_argument("--decode-env", action="append", default=[], help="KEY=VAL for D, repeatable")

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
+import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.json_format import MessageToDict
 from hypothesis import given, settings
@@ -11,9 +13,10 @@ from hypothesis import strategies as st
 from test_scheduler_registry import spec
 
 from kvpush.services.common import transfer_params
-from kvpush.services.common.leg_signing import LegSigner, LegVerifier
+from kvpush.services.common.leg_signing import LegRefused, LegSigner, LegVerifier
 from kvpush.services.scheduler import convert
 from kvpush.services.scheduler.model import AssignmentRecord, Role
+from kvpush.v1 import kvpush_pb2 as pb
 
 
 def _rec(transfer_id: str, epoch: int, incarnations: tuple[str, ...] = ()) -> AssignmentRecord:
@@ -119,3 +122,57 @@ def test_batched_assignments_carry_the_unary_legs() -> None:
     assert len({transfer_params.parse(MessageToDict(a.decode_kv_transfer_params)).sig for a in batched}) == 1  # type: ignore[union-attr]
     unsigned = convert.assignments_to_pb(recs)
     assert all(not transfer_params.parse(MessageToDict(a.decode_kv_transfer_params)).sig for a in unsigned)  # type: ignore[union-attr]
+
+
+def _compact(recs: list[AssignmentRecord], signer: LegSigner | None) -> list[pb.CompactAssignment]:
+    out = [pb.CompactAssignment() for _ in recs]
+    convert.fill_compact(list(zip(recs, out, strict=True)), signer)
+    return out
+
+
+def test_compact_assignments_carry_the_batched_legs_as_json_text() -> None:
+    """A compact answer names the same instances and carries the same legs as a full one, as JSON
+    text that parses (as a vLLM HTTP body would) into legs that verify; with the hand-off too."""
+    signer = LegSigner(Ed25519PrivateKey.generate(), ttl_s=60, clock=lambda: 1_000_000.0)
+    verifier = LegVerifier(signer.public_key(), clock=lambda: 1_000_030.0)
+    recs = [_rec(f"t{i}", 10 + i, ("a", "b")) for i in range(5)]
+    recs[3].first_token = True
+    full = convert.assignments_to_pb(recs, signer)
+    compact = _compact(recs, signer)
+    sigs = set()
+    for rec, a, c in zip(recs, full, compact, strict=True):
+        assert (c.transfer_id, c.epoch, c.first_token_from_prefill) == (a.transfer_id, a.epoch, rec.first_token)
+        assert (c.prefill_engine_id, c.prefill_http_endpoint) == (a.prefill.engine_id, a.prefill.http_endpoint)
+        assert (c.decode_engine_id, c.decode_http_endpoint) == (a.decode.engine_id, a.decode.http_endpoint)
+        for text, struct in (
+            (c.prefill_kv_transfer_params_json, a.prefill_kv_transfer_params),
+            (c.decode_kv_transfer_params_json, a.decode_kv_transfer_params),
+        ):
+            leg = transfer_params.parse(json.loads(text))
+            want = transfer_params.parse(MessageToDict(struct))
+            assert leg is not None and want is not None and leg.proof and leg.sig
+            assert dataclasses.replace(leg, sig="", proof="") == dataclasses.replace(want, sig="", proof="")
+            assert leg.first_token is rec.first_token
+            verifier.verify(leg)
+            sigs.add(leg.sig)
+    assert len(sigs) == 1  # one signature for the batch
+    # Tampering with the text breaks the signature.
+    tampered = compact[0].decode_kv_transfer_params_json.replace('"epoch":10', '"epoch":11')
+    leg = transfer_params.parse(json.loads(tampered))
+    assert leg is not None and leg.epoch == 11
+    with pytest.raises(LegRefused):
+        verifier.verify(leg)
+    # Unsigned (insecure scheduler): the same legs without sig, proof or expiry.
+    for c in _compact(recs, None):
+        leg = transfer_params.parse(json.loads(c.prefill_kv_transfer_params_json))
+        assert leg is not None and not leg.sig and not leg.proof and leg.expires_at == 0.0
+
+
+def test_params_json_takes_only_canonical_bytes_and_base64url() -> None:
+    canonical = transfer_params.canonical_bytes({"transfer_id": "t", "role": "prefill"})
+    assert json.loads(transfer_params.params_json(canonical, "c2ln", "cHJvb2Y")) == {
+        "kvpush": {"role": "prefill", "transfer_id": "t", "sig": "c2ln", "proof": "cHJvb2Y"}
+    }
+    for bad in ((b'{"a":1}', "", ""), (canonical, 'x","role":"decode', ""), (canonical, "", "p\\")):
+        with pytest.raises(ValueError):
+            transfer_params.params_json(*bad)

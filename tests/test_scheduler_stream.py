@@ -4,6 +4,7 @@ semantics item by item, legs signed once per batch, bounds, queueing, and the ba
 from __future__ import annotations
 
 import asyncio
+import json
 
 import grpc
 import pytest
@@ -281,5 +282,51 @@ def test_stream_grants_the_handoff_only_when_asked_and_offered() -> None:
             assert a.decode.engine_id == "d1" and not a.first_token_from_prefill
             assert not _legs(a)[1].first_token
             call.cancel()
+
+    run(body())
+
+
+def test_compact_answers_over_the_stream_verify_and_release() -> None:
+    """A client asking for compact answers gets engine ids, HTTP endpoints and JSON-text legs that
+    verify, in the same batches; its releases close the assignments; failed items keep their codes."""
+    signer = LegSigner(Ed25519PrivateKey.generate(), ttl_s=60)
+    verifier = LegVerifier(signer.public_key())
+
+    async def body() -> None:
+        async with scheduler(leg_signer=signer, **LEASE) as (server, stub, _):
+            await FakeInstance(stub, info("d0", blocks=1 << 20)).start()
+            await FakeInstance(stub, info("p0", pb.ROLE_PREFILL, tp=2)).start()
+            async with AssignStreamClient(stub, max_batch=64, compact=True) as client:
+                with pytest.raises(ValueError):
+                    await client.assign(pb.AssignRequest(prompt_tokens=16))
+                got = await asyncio.gather(
+                    *(client.assign_compact(pb.AssignRequest(prompt_tokens=16)) for _ in range(100))
+                )
+                assert len({c.transfer_id for c in got}) == 100
+                assert client.batches <= 100 // 64 + 2
+                for c in got:
+                    rec = server.registry.open[c.transfer_id]
+                    assert rec.epoch == c.epoch
+                    assert (c.prefill_engine_id, c.decode_engine_id) == ("p0", "d0")
+                    assert (c.prefill_http_endpoint, c.decode_http_endpoint) == (
+                        rec.prefill.http_endpoint,
+                        rec.decode.http_endpoint,
+                    )
+                    for text, role, engine in (
+                        (c.prefill_kv_transfer_params_json, "prefill", "p0"),
+                        (c.decode_kv_transfer_params_json, "decode", "d0"),
+                    ):
+                        leg = transfer_params.parse(json.loads(text))
+                        assert leg is not None and leg.transfer_id == c.transfer_id and leg.epoch == c.epoch
+                        check_leg(leg, engine, role, verifier)
+                with pytest.raises(AssignError) as err:
+                    await client.assign_compact(pb.AssignRequest(prompt_tokens=0))
+                assert err.value.code is CODE.INVALID_ARGUMENT
+                for c in got:
+                    client.release(c.transfer_id, c.epoch, pb.OUTCOME_OK)
+            assert not server.registry.open
+        async with scheduler(**LEASE) as (server, stub, _), AssignStreamClient(stub) as client:
+            with pytest.raises(ValueError):
+                await client.assign_compact(pb.AssignRequest(prompt_tokens=16))
 
     run(body())

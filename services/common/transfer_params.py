@@ -154,6 +154,19 @@ class CanonicalTemplate:
         return b"".join(out)
 
 
+def params_json(canonical: bytes, sig: str = "", proof: str = "") -> str:
+    """A leg's ``kv_transfer_params`` as JSON text (``{"kvpush": {...}}``), from the leg's
+    ``canonical_bytes`` and its ``sig`` and ``proof`` (base64url, so nothing to escape): what
+    ``AssignStream``'s compact answers carry, for a frontend to put into the leg's HTTP body as is.
+    ``parse(json.loads(text))`` is the leg those fields describe (``first_token`` false and empty
+    ``sig``/``proof`` are left out: they are the defaults)."""
+    if not canonical.startswith(_SIGNING_CONTEXT) or not _SIG.fullmatch(sig) or not _SIG.fullmatch(proof):
+        raise ValueError("params_json needs canonical_bytes and base64url sig and proof")
+    body = canonical[len(_SIGNING_CONTEXT) : -1].decode("ascii")
+    tail = (f',"proof":"{proof}"' if proof else "") + (f',"sig":"{sig}"' if sig else "")
+    return f'{{"{KEY}":{body}{tail}}}}}'
+
+
 def parse(params: Any) -> Leg | None:
     """Returns the leg in ``params``, None when the request carries no kvpush params.
 

@@ -276,24 +276,9 @@ class VllmServer:
         vllm_cpu.md). ``sched_setaffinity(pid)`` only affects one thread, so the threads that already exist
         are pinned one by one through ``/proc/<pid>/task``; threads created later inherit the new mask.
         """
-        import psutil
-
         if self._proc is None or not self.running:
             raise VllmServerError("server not running")
-        mask = {cores} if isinstance(cores, int) else set(cores)
-        root = psutil.Process(self._proc.pid)
-        procs = [root, *root.children(recursive=True)]
-        pinned = 0
-        for p in procs:
-            try:
-                tids = [t.id for t in p.threads()]
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-            for tid in tids:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.sched_setaffinity(tid, mask)
-                    pinned += 1
-        return pinned
+        return pin_process_tree(self._proc.pid, cores)
 
     def __enter__(self) -> VllmServer:
         self.start()
@@ -466,3 +451,23 @@ async def acomplete(
             return _merge_stream(_parse_sse(lines))
         out: dict[str, Any] = await resp.json()
     return _tokens_of(out), out
+
+
+def pin_process_tree(pid: int, cores: int | Iterable[int]) -> int:
+    """Sets the CPU affinity of every thread of ``pid`` and of its descendants (threads that exist
+    now, one by one through ``/proc/<pid>/task``; later ones inherit the mask); returns #threads."""
+    import psutil
+
+    mask = {cores} if isinstance(cores, int) else set(cores)
+    root = psutil.Process(pid)
+    pinned = 0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            tids = [t.id for t in p.threads()]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.sched_setaffinity(tid, mask)
+                pinned += 1
+    return pinned

@@ -10,6 +10,10 @@ A broken stream fails every unanswered ``assign`` with ``AssignError`` (the stre
 UNAVAILABLE) and the client is closed; the assignments it made stay open on the scheduler until
 released (by any client) or their TTL. Releases are sent without waiting for their results; one
 that fails is logged.
+
+``compact=True`` asks for ``CompactAssignment`` answers (``assign_compact``): engine ids, HTTP
+endpoints and both legs' ``kv_transfer_params`` as JSON text to put into the HTTP bodies as they
+are, the cheapest shape for the scheduler to build and for a frontend to use.
 """
 
 from __future__ import annotations
@@ -44,9 +48,12 @@ def status_code(value: int) -> grpc.StatusCode:
     return _BY_VALUE.get(value, grpc.StatusCode.UNKNOWN)
 
 
+Answer = pb.Assignment | pb.CompactAssignment
+
+
 @dataclass
 class _Sent:
-    assigns: list[asyncio.Future[pb.Assignment]]
+    assigns: list[asyncio.Future[Answer]]
     releases: list[pb.ReleaseRequest] = field(default_factory=list)
 
 
@@ -58,6 +65,7 @@ class AssignStreamClient:
         max_batch: int = limits.MAX_ASSIGNS_PER_BATCH,
         max_in_flight: int = 1,
         max_wait_ms: int = 0,
+        compact: bool = False,
     ) -> None:
         if not 1 <= max_batch <= limits.MAX_ASSIGNS_PER_BATCH:
             raise ValueError(f"max_batch must be in 1..{limits.MAX_ASSIGNS_PER_BATCH}")
@@ -67,7 +75,8 @@ class AssignStreamClient:
         self.max_batch = max_batch
         self.max_in_flight = max_in_flight
         self.max_wait_ms = max_wait_ms
-        self._assigns: list[tuple[pb.AssignRequest, asyncio.Future[pb.Assignment]]] = []
+        self.compact = compact
+        self._assigns: list[tuple[pb.AssignRequest, asyncio.Future[Answer]]] = []
         self._releases: list[pb.ReleaseRequest] = []
         self._sent: dict[int, _Sent] = {}
         self._next_id = 1
@@ -92,10 +101,25 @@ class AssignStreamClient:
 
     async def assign(self, request: pb.AssignRequest) -> pb.Assignment:
         """The assignment for ``request``; raises AssignError with the code the unary Assign would
-        have ended with (or the stream's, when it broke)."""
+        have ended with (or the stream's, when it broke). Only without ``compact``."""
+        if self.compact:
+            raise ValueError("this client asks for compact answers: use assign_compact")
+        answer = await self._assign(request)
+        assert isinstance(answer, pb.Assignment)
+        return answer
+
+    async def assign_compact(self, request: pb.AssignRequest) -> pb.CompactAssignment:
+        """``assign`` for a client made with ``compact=True``: the CompactAssignment."""
+        if not self.compact:
+            raise ValueError("this client asks for full answers: use assign, or compact=True")
+        answer = await self._assign(request)
+        assert isinstance(answer, pb.CompactAssignment)
+        return answer
+
+    async def _assign(self, request: pb.AssignRequest) -> Answer:
         if self._error is not None:
             raise self._error
-        fut: asyncio.Future[pb.Assignment] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
         self._assigns.append((request, fut))
         self._wake.set()
         return await fut
@@ -139,7 +163,9 @@ class AssignStreamClient:
                     self._releases = self._releases[limits.MAX_RELEASES_PER_BATCH :]
                     batch_id = self._next_id
                     self._next_id += 1
-                    msg = pb.AssignStreamRequest(batch_id=batch_id, max_wait_ms=self.max_wait_ms, releases=releases)
+                    msg = pb.AssignStreamRequest(
+                        batch_id=batch_id, max_wait_ms=self.max_wait_ms, releases=releases, compact=self.compact
+                    )
                     msg.assigns.extend(req for req, _ in taken)
                     self._sent[batch_id] = _Sent([fut for _, fut in taken], releases)
                     self.batches += 1
@@ -173,7 +199,7 @@ class AssignStreamClient:
             if fut.done():
                 continue
             if result.code == 0:
-                fut.set_result(result.assignment)
+                fut.set_result(result.compact if self.compact else result.assignment)
             else:
                 fut.set_exception(AssignError(status_code(result.code), result.message))
         for fut in sent.assigns[len(response.assigns) :]:

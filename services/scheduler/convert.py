@@ -247,6 +247,33 @@ def fill_assignments(pairs: list[tuple[AssignmentRecord, pb.Assignment]], signer
         fields["proof"].string_value = proof
 
 
+def fill_compact(pairs: list[tuple[AssignmentRecord, pb.CompactAssignment]], signer: LegSigner | None = None) -> None:
+    """Writes each record into its (empty) CompactAssignment: engine ids, HTTP endpoints and both
+    legs as JSON text, spliced from the legs' canonical bytes (no Struct, no JSON encoding per
+    leg); with a signer, every leg of the batch signed at once, as in ``fill_assignments``."""
+    expires_at = signer.expiry() if signer is not None else 0.0
+    canonical: list[bytes] = []
+    for rec, _ in pairs:
+        _, prefill_bytes, decode_bytes = _pair_template(rec.prefill, rec.decode, rec.first_token)
+        canonical.append(prefill_bytes.render(rec.transfer_id, rec.epoch, expires_at))
+        canonical.append(decode_bytes.render(rec.transfer_id, rec.epoch, expires_at))
+    if not canonical:
+        return
+    sig, proofs = signer.sign_batch(canonical) if signer is not None else ("", [""] * len(canonical))
+    params_json = transfer_params.params_json
+    for i, (rec, c) in enumerate(pairs):
+        prefill, decode = rec.prefill, rec.decode
+        c.transfer_id = rec.transfer_id
+        c.epoch = rec.epoch
+        c.prefill_engine_id = prefill.engine_id
+        c.prefill_http_endpoint = prefill.http_endpoint
+        c.decode_engine_id = decode.engine_id
+        c.decode_http_endpoint = decode.http_endpoint
+        c.first_token_from_prefill = rec.first_token
+        c.prefill_kv_transfer_params_json = params_json(canonical[2 * i], sig, proofs[2 * i])
+        c.decode_kv_transfer_params_json = params_json(canonical[2 * i + 1], sig, proofs[2 * i + 1])
+
+
 @functools.lru_cache(maxsize=4096)
 def _pair_template(
     prefill: InstanceSpec, decode: InstanceSpec, first_token: bool

@@ -265,11 +265,22 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     raise ShuttingDown() from None
 
     def _decided(self, rec: AssignmentRecord) -> None:
-        for key in (("decode", rec.decode.engine_id), ("prefill", rec.prefill.engine_id)):
+        self._count_decisions({("decode", rec.decode.engine_id): 1, ("prefill", rec.prefill.engine_id): 1})
+
+    def _count_decisions(self, counts: dict[tuple[str, str], int]) -> None:
+        """Adds (role, engine id) -> assignments to the decision counters (a batch at once)."""
+        for key, n in counts.items():
             child = self._decision_counters.get(key)
             if child is None:
                 child = self._decision_counters[key] = self.metrics.decisions.labels(*key)
-            child.inc()
+            child.inc(n)
+
+    def _count_releases(self, counts: dict[Outcome, int]) -> None:
+        for outcome, n in counts.items():
+            counter = self._release_counters.get(outcome)
+            if counter is None:
+                counter = self._release_counters[outcome] = self.metrics.releases.labels(outcome.value)
+            counter.inc(n)
 
     # ---------------------------------------------------------------- registry RPCs
 
@@ -531,8 +542,11 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             await self._abort(context, exc)
         return pb.ReleaseResponse()
 
-    def _release(self, request: pb.ReleaseRequest, method: str = "Release") -> None:
-        """Release's checks and effect (unary or one item of a batch); raises SchedulerError."""
+    def _release(
+        self, request: pb.ReleaseRequest, method: str = "Release", counts: dict[Outcome, int] | None = None
+    ) -> None:
+        """Release's checks and effect (unary or one item of a batch); raises SchedulerError. With
+        ``counts``, the release is counted there (the batch adds them to the metric at once)."""
         if not request.transfer_id:
             raise InvalidArgument("transfer_id is required")
         if len(request.transfer_id) > limits.MAX_ID_CHARS:
@@ -540,10 +554,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             raise InvalidArgument(f"transfer_id longer than {limits.MAX_ID_CHARS} characters")
         outcome = convert.outcome_from_pb(request.outcome)
         rec = self.registry.release(request.transfer_id, request.epoch, outcome, limits.clip(request.reason))
-        counter = self._release_counters.get(outcome)
-        if counter is None:
-            counter = self._release_counters[outcome] = self.metrics.releases.labels(outcome.value)
-        counter.inc()
+        if counts is None:
+            self._count_releases({outcome: 1})
+        else:
+            counts[outcome] = counts.get(outcome, 0) + 1
         self.log.debug(
             "released",
             transfer_id=rec.transfer_id,
@@ -582,12 +596,14 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     ) -> pb.AssignStreamResponse:
         response = pb.AssignStreamResponse(batch_id=batch.batch_id)
         ok = grpc.StatusCode.OK.value[0]
+        released: dict[Outcome, int] = {}
         for release in batch.releases:
             try:
-                self._release(release, "AssignStream")
+                self._release(release, "AssignStream", released)
                 response.releases.add(code=ok)
             except SchedulerError as exc:
                 response.releases.add(code=self._code(exc).value[0], message=str(exc))
+        self._count_releases(released)
         t0 = time.perf_counter()
         # Queueing for capacity: within max_wait_ms of the batch's start (and the stream's deadline).
         wait_until: float | None = None
@@ -598,6 +614,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 wait_until = min(wait_until, time.monotonic() + stream_left)
         records: list[AssignmentRecord] = []
         slots: list[pb.AssignResult] = []
+        decided: dict[tuple[str, str], int] = {}
         for request in batch.assigns:
             result = response.assigns.add()
             try:
@@ -613,19 +630,26 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 continue
             finally:
                 self.metrics.assign_latency.observe(time.perf_counter() - t0)
-            self._decided(rec)
+            for key in (("decode", rec.decode.engine_id), ("prefill", rec.prefill.engine_id)):
+                decided[key] = decided.get(key, 0) + 1
             records.append(rec)
             slots.append(result)
+        self._count_decisions(decided)
         # An assignment closed before the answer (a later item of the batch re-assigned its transfer
         # id, or an instance died while a later item queued) is answered FAILED_PRECONDITION.
-        live: list[tuple[AssignmentRecord, pb.Assignment]] = []
+        live: list[AssignmentRecord] = []
+        live_slots: list[pb.AssignResult] = []
         for rec, slot in zip(records, slots, strict=True):
             if rec.state is State.OPEN:
-                live.append((rec, slot.assignment))
+                live.append(rec)
+                live_slots.append(slot)
             else:
                 slot.code = grpc.StatusCode.FAILED_PRECONDITION.value[0]
                 slot.message = f"transfer {rec.transfer_id!r} closed before the batch was answered: {rec.reason}"
-        convert.fill_assignments(live, self.signer)
+        if batch.compact:
+            convert.fill_compact([(r, s.compact) for r, s in zip(live, live_slots, strict=True)], self.signer)
+        else:
+            convert.fill_assignments([(r, s.assignment) for r, s in zip(live, live_slots, strict=True)], self.signer)
         return response
 
     async def ReportLegFailure(self, request: pb.LegFailure, context: grpc.aio.ServicerContext) -> pb.LegFailureAck:

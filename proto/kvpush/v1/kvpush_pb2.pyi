@@ -1303,12 +1303,17 @@ class AssignStreamRequest(_message.Message):
     ASSIGNS_FIELD_NUMBER: _builtins.int
     RELEASES_FIELD_NUMBER: _builtins.int
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
+    COMPACT_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.int
     """echoed in the response"""
     max_wait_ms: _builtins.int
     """How long an assign that finds no capacity may wait for it (capped by the scheduler's
     --max-queue-s); 0: no wait, RESOURCE_EXHAUSTED at once (Assign without a deadline). Later
     batches on the same stream wait behind a waiting one.
+    """
+    compact: _builtins.bool
+    """Answer each assign with AssignResult.compact (legs as JSON text, instances by engine id and
+    HTTP endpoint) instead of AssignResult.assignment: less to build, send and parse per assign.
     """
     @_builtins.property
     def assigns(self) -> _containers.RepeatedCompositeFieldContainer[Global___AssignRequest]:
@@ -1325,10 +1330,11 @@ class AssignStreamRequest(_message.Message):
         assigns: _abc.Iterable[Global___AssignRequest] | None = ...,
         releases: _abc.Iterable[Global___ReleaseRequest] | None = ...,
         max_wait_ms: _builtins.int = ...,
+        compact: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigns", b"assigns", "batch_id", b"batch_id", "max_wait_ms", b"max_wait_ms", "releases", b"releases"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigns", b"assigns", "batch_id", b"batch_id", "compact", b"compact", "max_wait_ms", b"max_wait_ms", "releases", b"releases"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1343,11 +1349,16 @@ class AssignResult(_message.Message):
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     ASSIGNMENT_FIELD_NUMBER: _builtins.int
+    COMPACT_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     message: _builtins.str
     @_builtins.property
     def assignment(self) -> Global___Assignment:
-        """set when code is 0"""
+        """set when code is 0 (batches without compact)"""
+
+    @_builtins.property
+    def compact(self) -> Global___CompactAssignment:
+        """set when code is 0 (batches with compact)"""
 
     def __init__(
         self,
@@ -1355,14 +1366,63 @@ class AssignResult(_message.Message):
         code: _builtins.int = ...,
         message: _builtins.str = ...,
         assignment: Global___Assignment | None = ...,
+        compact: Global___CompactAssignment | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "compact", b"compact"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "code", b"code", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assignment", b"assignment", "code", b"code", "compact", b"compact", "message", b"message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AssignResult: _TypeAlias = AssignResult  # noqa: Y015
+
+@_typing.final
+class CompactAssignment(_message.Message):
+    """An Assignment as a frontend uses it: where to send each leg and what to send. Each
+    *_kv_transfer_params_json is the leg's kv_transfer_params as JSON text ({"kvpush": {...}},
+    signed like Assignment's), to put into the leg's HTTP body as it is.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    PREFILL_HTTP_ENDPOINT_FIELD_NUMBER: _builtins.int
+    DECODE_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    DECODE_HTTP_ENDPOINT_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _builtins.int
+    PREFILL_KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _builtins.int
+    DECODE_KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    epoch: _builtins.int
+    prefill_engine_id: _builtins.str
+    prefill_http_endpoint: _builtins.str
+    decode_engine_id: _builtins.str
+    decode_http_endpoint: _builtins.str
+    first_token_from_prefill: _builtins.bool
+    prefill_kv_transfer_params_json: _builtins.str
+    decode_kv_transfer_params_json: _builtins.str
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        prefill_engine_id: _builtins.str = ...,
+        prefill_http_endpoint: _builtins.str = ...,
+        decode_engine_id: _builtins.str = ...,
+        decode_http_endpoint: _builtins.str = ...,
+        first_token_from_prefill: _builtins.bool = ...,
+        prefill_kv_transfer_params_json: _builtins.str = ...,
+        decode_kv_transfer_params_json: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "decode_http_endpoint", b"decode_http_endpoint", "decode_kv_transfer_params_json", b"decode_kv_transfer_params_json", "epoch", b"epoch", "first_token_from_prefill", b"first_token_from_prefill", "prefill_engine_id", b"prefill_engine_id", "prefill_http_endpoint", b"prefill_http_endpoint", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompactAssignment: _TypeAlias = CompactAssignment  # noqa: Y015
 
 @_typing.final
 class ReleaseResult(_message.Message):
