@@ -273,6 +273,52 @@ def apply_slo(results: dict[str, list[PointResult]], slos: dict[int, Slo | None]
             r.slo_met, r.slo_attainment, r.goodput_rps = goodput(r.req_ttft_ms, r.req_tpot_ms, r.duration_s, slo)
 
 
+TPOT_SLO_FACTORS = (1.25, 1.5, 2.0, 3.0)  # the sweep's TPOT targets, x the single instance's unloaded p50
+
+
+def tpot_slo_sweep(
+    results: dict[str, list[PointResult]],
+    slos: dict[int, Slo | None],
+    unloaded: dict[int, dict[str, float]],
+    factors: Sequence[float] = TPOT_SLO_FACTORS,
+    target: float = SLO_ATTAINMENT,
+) -> list[dict[str, Any]]:
+    """Where each setup wins: per prompt and output length, and per TPOT target (``factors`` x the
+    single instance's unloaded TPOT p50, the TTFT target kept), each setup's highest rate with
+    >= ``target`` attainment and its goodput there. The points' own SLO fields are not touched."""
+    rows = []
+    keys = sorted({(r.prompt_len, r.max_tokens) for n, rs in results.items() if n != "prefill_only" for r in rs})
+    for length, out in keys:
+        slo = slos.get(length)
+        base = unloaded.get(length, {}).get("tpot_ms", math.nan)
+        if slo is None or math.isnan(base):
+            continue
+        for factor in factors:
+            tight = Slo(slo.ttft_ms, factor * base)
+            row: dict[str, Any] = {
+                "prompt_len": length,
+                "max_tokens": out,
+                "slo_ttft_ms": tight.ttft_ms,
+                "tpot_factor": factor,
+                "slo_tpot_ms": tight.tpot_ms,
+                "setups": {},
+            }
+            for name in SETUPS:
+                rs = [r for r in results.get(name, []) if (r.prompt_len, r.max_tokens) == (length, out)]
+                if not rs:
+                    continue
+                judged = {r.rate: goodput(r.req_ttft_ms, r.req_tpot_ms, r.duration_s, tight) for r in rs}
+                best = max_rate_meeting([(rate, g[1]) for rate, g in judged.items()], target)
+                row["setups"][name] = {
+                    "max_rate": best,
+                    "goodput_rps_at_max_rate": judged[best][2] if best is not None else math.nan,
+                    "best_goodput_rps": max(g[2] for g in judged.values()),
+                    "rates": sorted(judged),
+                }
+            rows.append(row)
+    return rows
+
+
 def goodput_summary(results: dict[str, list[PointResult]], target: float = SLO_ATTAINMENT) -> list[dict[str, Any]]:
     """Per prompt length and output length: each setup's highest rate at >= ``target`` attainment,
     its goodput there, and its best goodput over the sweep."""
@@ -1329,6 +1375,22 @@ def markdown(res: dict[str, Any]) -> str:
         f"Each rate up to the one shown kept ≥ {target * 100:.0f} % of requests within both SLOs; "
         "`< r (best g)`: the lowest rate r already missed (g: the best goodput measured); –: not run.",
         "",
+    ]
+    if res.get("goodput_by_tpot_slo"):
+        lines += [
+            "#### The same, across TPOT targets (TTFT target as above)",
+            "",
+            "| prompt | out | TPOT target | SLO TPOT ms | " + " | ".join(SETUPS) + " |",
+            "|---:|---:|---:|---:|" + "---|" * len(SETUPS),
+        ]
+        for g in res["goodput_by_tpot_slo"]:
+            cells = " | ".join(_rate_cell(g["setups"].get(n)) for n in SETUPS)
+            lines.append(
+                f"| {g['prompt_len']} | {g['max_tokens']} | {g['tpot_factor']:g} × unloaded | "
+                f"{_f(g['slo_tpot_ms'], 1)} | {cells} |"
+            )
+        lines.append("")
+    lines += [
         "### Ratios (p50), hand-off and raw NIXL",
         "",
         "| prompt | out | rate /s | KV bytes/req | raw NIXL WRITE ms | TTFT ours/push | TTFT ours/pull | "
@@ -1659,6 +1721,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "derived": derived,
         "slo": slo_info,
         "goodput": goodput_summary(results),
+        "goodput_by_tpot_slo": tpot_slo_sweep(results, slos, h.unloaded),
         "setup_seconds": setup_s,
         "total_seconds": time.monotonic() - t_start,
     }

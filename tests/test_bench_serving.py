@@ -306,6 +306,7 @@ def _res(results: dict[str, list[PointResult]], slo: Slo | None) -> dict[str, An
         "derived": derived,
         "slo": {"source": "test", "attainment_target": 0.9, "per_prompt_len": {"1024": asdict(slo) if slo else None}},
         "goodput": sv.goodput_summary(results),
+        "goodput_by_tpot_slo": sv.tpot_slo_sweep(results, {1024: slo}, {1024: {"tpot_ms": 10.0}}, factors=(1.25, 3.0)),
         "goals": sv.goals(results, derived),
     }
     out: dict[str, Any] = sv._jsonable(res)
@@ -327,6 +328,9 @@ def test_markdown_shows_two_plain_and_goodput(tmp_path: Path) -> None:
         f"2 ({results['two_plain'][1].goodput_rps:.2f})",
     ]
     assert cells[6:] == ["–"] * 5  # pull, push, ours, ours_ft, ours_grpc not run
+    assert "across TPOT targets" in md
+    tight = next(line for line in md.splitlines() if line.startswith("| 1024 | 16 | 1.25 × unloaded | 12.5 |"))
+    assert [c.strip() for c in tight.strip("|").split("|")][4] == "1 (" + f"{results['single'][0].goodput_rps:.2f})"
     written = sv.plots(_res(results, SLO), tmp_path, "t")
     assert sorted(Path(p).name for p in written) == ["t_goodput.png", "t_tpot.png", "t_ttft.png"]
     assert all(Path(p).stat().st_size > 0 for p in written)
@@ -338,3 +342,26 @@ def test_markdown_without_slo_says_so() -> None:
     md = sv.markdown(_res(results, None))
     assert "SLOs unknown" in md
     assert "| 1024 | 16 | 2 | 10 | two_plain | 10 |" in md
+
+
+def test_tpot_slo_sweep_says_where_each_setup_meets_which_target() -> None:
+    """TPOT 20 ms per request for single, 12 ms for two_plain: at 1.25 x a 10 ms unloaded TPOT only
+    two_plain meets it; at 3 x both do, up to the rates their TTFTs allow. The points keep their
+    own SLO fields."""
+    results = _sweep()
+    for name, tpot in (("single", 20.0), ("two_plain", 12.0)):
+        for r in results[name]:
+            r.req_tpot_ms = [tpot] * len(r.req_tpot_ms)
+    sv.apply_slo(results, {1024: SLO})
+    before = [(r.slo_tpot_ms, r.slo_met) for r in results["single"]]
+    rows = sv.tpot_slo_sweep(results, {1024: SLO}, {1024: {"tpot_ms": 10.0}}, factors=(1.25, 3.0))
+    assert [(r["tpot_factor"], r["slo_tpot_ms"]) for r in rows] == [(1.25, 12.5), (3.0, 30.0)]
+    tight, loose = rows
+    assert tight["slo_ttft_ms"] == SLO.ttft_ms
+    assert tight["setups"]["single"]["max_rate"] is None
+    assert tight["setups"]["single"]["rates"] == [1.0, 2.0, 4.0, 8.0]
+    assert tight["setups"]["two_plain"]["max_rate"] == 2.0
+    assert loose["setups"]["single"]["max_rate"] == 1.0
+    assert loose["setups"]["two_plain"]["max_rate"] == 2.0
+    assert [(r.slo_tpot_ms, r.slo_met) for r in results["single"]] == before
+    assert sv.tpot_slo_sweep(results, {1024: None}, {1024: {"tpot_ms": 10.0}}) == []
