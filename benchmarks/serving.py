@@ -273,6 +273,11 @@ def apply_slo(results: dict[str, list[PointResult]], slos: dict[int, Slo | None]
             r.slo_met, r.slo_attainment, r.goodput_rps = goodput(r.req_ttft_ms, r.req_tpot_ms, r.duration_s, slo)
 
 
+def _judged_lengths(results: dict[str, list[PointResult]]) -> list[tuple[int, int]]:
+    """The (prompt length, output length) pairs measured, the prefill-only reference left out."""
+    return sorted({(r.prompt_len, r.max_tokens) for n, rs in results.items() if n != "prefill_only" for r in rs})
+
+
 TPOT_SLO_FACTORS = (1.25, 1.5, 2.0, 3.0)  # the sweep's TPOT targets, x the single instance's unloaded p50
 
 
@@ -287,7 +292,7 @@ def tpot_slo_sweep(
     single instance's unloaded TPOT p50, the TTFT target kept), each setup's highest rate with
     >= ``target`` attainment and its goodput there. The points' own SLO fields are not touched."""
     rows = []
-    keys = sorted({(r.prompt_len, r.max_tokens) for n, rs in results.items() if n != "prefill_only" for r in rs})
+    keys = _judged_lengths(results)
     for length, out in keys:
         slo = slos.get(length)
         base = unloaded.get(length, {}).get("tpot_ms", math.nan)
@@ -323,7 +328,7 @@ def goodput_summary(results: dict[str, list[PointResult]], target: float = SLO_A
     """Per prompt length and output length: each setup's highest rate at >= ``target`` attainment,
     its goodput there, and its best goodput over the sweep."""
     rows = []
-    keys = sorted({(r.prompt_len, r.max_tokens) for n, rs in results.items() if n != "prefill_only" for r in rs})
+    keys = _judged_lengths(results)
     for length, out in keys:
         row: dict[str, Any] = {"prompt_len": length, "max_tokens": out, "attainment_target": target, "setups": {}}
         for name in SETUPS:
