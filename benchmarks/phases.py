@@ -7,7 +7,9 @@ connector's step trace on (``trace_steps``). For each prompt, one after another 
 2. ``Assign``, then both legs at once (prefill ``max_tokens=1``, decode streamed);
 3. ``Generate`` (the first-token hand-off): its first token is the TTFT a client sees;
 4. a plain streamed request to the decode engine: the TPOT baseline;
-5. the plain prefill request again (the baseline is the mean of 1 and 5).
+5. the same while a P/D transfer waits on the decode engine (``Assign``, the decode leg, the plain
+   request, then the prefill leg): what a waiting transfer costs the requests decoding next to it;
+6. the plain prefill request again (the baseline is the mean of 1 and 6).
 
 The same prompt on the same engine, minutes apart at most: the differences are what the P/D path
 adds, free of the launch-to-launch variance that separates two launches of one plain instance
@@ -139,6 +141,16 @@ async def measure(pair: Any, args: argparse.Namespace, prompts: list[list[int]])
                 await c.once(p_url, prompt, 1, None, rid)
                 return rid, t0, time.time()
 
+            async def plain_decode_next_to_a_waiting_transfer(prompt: list[int]) -> list[float]:
+                a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=30)
+                leg_params = MessageToDict(a.decode_kv_transfer_params)
+                waiting = asyncio.create_task(_stream(c, d_url, prompt, n, leg_params, uuid.uuid4().hex))
+                plain = await _stream(c, d_url, prompt, n, None, uuid.uuid4().hex)
+                await c.once(p_url, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), uuid.uuid4().hex)
+                await waiting
+                await serving._release(stub, a, pb.OUTCOME_OK)
+                return plain
+
             for i, prompt in enumerate(prompts):
                 row: dict[str, Any] = {"warmup": i < args.warmup}
                 row["plain_a"] = await plain_prefill(prompt)
@@ -161,6 +173,7 @@ async def measure(pair: Any, args: argparse.Namespace, prompts: list[list[int]])
                     g_tokens.extend([time.time()] * len(msg.token_ids))
                 row.update(g_sent=g0, g_tokens=g_tokens)
                 row["plain_d"] = await _stream(c, d_url, prompt, n, None, uuid.uuid4().hex)
+                row["plain_d_pending"] = await plain_decode_next_to_a_waiting_transfer(prompt)
                 row["plain_b"] = await plain_prefill(prompt)
                 rows.append(row)
     finally:
@@ -201,6 +214,7 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
         put("pd.tpot", _tpot(r["d_tokens"]))
         put("generate.tpot", _tpot(r["g_tokens"]))
         put("plain.tpot_decode", _tpot(r["plain_d"]))
+        put("plain.tpot_decode_transfer_waiting", _tpot(r["plain_d_pending"]))
     p50 = {k: float(np.nanmedian(v)) for k, v in series.items()}
 
     def paired(a: str, b: str) -> float:
@@ -216,6 +230,7 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
         **{f"generate_minus_plain.{k}": paired(f"generate.{k}", f"plain.{k}") for k in _PHASES},
         "tpot_ratio_pd_to_plain_decode": ratio("pd.tpot", "plain.tpot_decode"),
         "tpot_ratio_generate_to_plain_decode": ratio("generate.tpot", "plain.tpot_decode"),
+        "tpot_ratio_transfer_waiting_to_plain_decode": ratio("plain.tpot_decode_transfer_waiting", "plain.tpot_decode"),
     }
     return {"n": len(series.get("pd.answer", [])), "p50_ms": p50, "paired": diffs, "series_ms": series}
 
@@ -270,6 +285,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"| plain request on the decode engine | {p['plain.tpot_decode']:.2f} | 1 |",
         f"| P/D (`Assign` path) | {p['pd.tpot']:.2f} | {d['tpot_ratio_pd_to_plain_decode']:.3f} |",
         f"| P/D (`Generate`) | {p['generate.tpot']:.2f} | {d['tpot_ratio_generate_to_plain_decode']:.3f} |",
+        f"| plain request while a P/D transfer waits on the decode engine | "
+        f"{p['plain.tpot_decode_transfer_waiting']:.2f} | {d['tpot_ratio_transfer_waiting_to_plain_decode']:.3f} |",
     ]
     return "\n".join(lines) + "\n"
 

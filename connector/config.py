@@ -61,7 +61,10 @@ class ConnectorConfig:
     # Decode: times a failed transfer is moved to another prefill (Scheduler.Reroute) before vLLM's
     # kv_load_failure_policy decides; 0 turns retry elsewhere off. Needs scheduler_address.
     max_reroutes: int = 1
+    # Decode rank's NIXL progress cadence while transfers wait: with the engine idle, and while
+    # it runs forwards on the same core (services/decode_agent/cadence.py).
     poll_interval_us: float = 100.0
+    busy_poll_interval_us: float = 1000.0
     # NIXL UCX backend's error handling: "" keeps NIXL's default ("peer": dead peers detected on
     # every transport); "none" lets cma WRITEs complete without the target calling into NIXL.
     ucx_error_handling_mode: str = ""
@@ -104,6 +107,9 @@ class ConnectorConfig:
                 raise ConfigError(f"kv_connector_extra_config[{key!r}]: {exc}") from exc
         cfg = cls(engine_id=str(kv_transfer_config.engine_id), role=role, **values)
         cfg.check_transport()
+        for key in ("poll_interval_us", "busy_poll_interval_us"):
+            if not 0 < getattr(cfg, key) <= 1e6:
+                raise ConfigError(f"kv_connector_extra_config[{key!r}] must be in (0, 1e6] microseconds")
         return cfg
 
     _TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")

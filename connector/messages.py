@@ -63,3 +63,6 @@ class PushMetadata(KVConnectorMetadata):
     first_token_delivered: list[str] = field(default_factory=list)
     first_token_abandoned: list[str] = field(default_factory=list)  # ended before their token came
     advance_sampler: list[str] = field(default_factory=list)
+    # Decode: tokens this step's forward computes (0: a step without a forward), so the decode
+    # rank's NIXL poller naps longer while the engine decodes on its core (cadence.py).
+    forward_tokens: int = 0

@@ -121,8 +121,10 @@ class KvPushConnector(KVConnectorBase_V1):
         return self._worker.handshake()
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        from kvpush.connector.messages import PushMetadata
+
         super().bind_connector_metadata(connector_metadata)
-        self._worker.step_started()
+        self._worker.step_started(connector_metadata if isinstance(connector_metadata, PushMetadata) else None)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # decode never loads: prefill pushes

@@ -56,7 +56,7 @@ class WorkerHalf(Protocol):
 
     def handshake(self) -> RankHandshake | None: ...
 
-    def step_started(self) -> None:
+    def step_started(self, meta: PushMetadata | None) -> None:
         """A step's metadata was bound, before its forward: the previous step's output is out."""
 
     def wait_for_save(self, meta: PushMetadata | None) -> None:

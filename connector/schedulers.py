@@ -332,8 +332,9 @@ class DecodeScheduler:
             self._new_waiting.append(rid)
 
     def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
-        """Decode workers need only the first-token hand-off's bookkeeping."""
-        meta = PushMetadata()
+        """Decode workers need the first-token hand-off's bookkeeping, and whether the step runs
+        a forward."""
+        meta = PushMetadata(forward_tokens=scheduler_output.total_num_scheduled_tokens)
         if self._want_token or self._tokens or self._token_inbox:
             self._take_tokens(time.monotonic())
         if self._new_waiting:

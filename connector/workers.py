@@ -71,6 +71,7 @@ class DecodeWorker:
             host=self.cfg.agent_host,
             port=self.cfg.port_for(rank),
             poll_interval_s=self.cfg.poll_interval_us * 1e-6,
+            busy_poll_s=self.cfg.busy_poll_interval_us * 1e-6,
             security=self.cfg.security(f"decode-rank {self.cfg.engine_id}/{rank}"),
         )
         self.rank = create_rank(rcfg, engine, desc.regions)
@@ -92,8 +93,9 @@ class DecodeWorker:
     def handshake(self) -> RankHandshake | None:
         return self._handshake
 
-    def step_started(self) -> None:
-        return None
+    def step_started(self, meta: PushMetadata | None) -> None:
+        if meta is not None and meta.forward_tokens and self.rank is not None:
+            self.rank.cadence.forward_started()
 
     def wait_for_save(self, meta: PushMetadata | None) -> None:
         """Decode saves nothing (prefill pushes into it); before this step samples, it takes the
@@ -118,8 +120,9 @@ class DecodeWorker:
         out = TransferResults()
         if self.rank is None:
             return out
-        released: list[Released] = self.rank.take_released()
         now = time.monotonic()
+        self.rank.cadence.step_ended(now)
+        released: list[Released] = self.rank.take_released()
         for rel in released:
             if rel.outcome is Outcome.OK and rel.request_id in self._needs_token:
                 self._held[rel.request_id] = (rel, now + self.cfg.first_token_wait_s)
@@ -202,7 +205,7 @@ class PrefillWorker:
         with self._lock:
             self._released.add(rel.request_id)
 
-    def step_started(self) -> None:
+    def step_started(self, meta: PushMetadata | None) -> None:
         """The transfers held for their step's output (first-token hand-off) go to the writer now:
         vLLM schedules this step after it processed the last one's output, so the first token is
         on its way. Before this step's own hand-offs, so every transfer keeps its order."""
@@ -272,7 +275,7 @@ class PrefillWorker:
         return TransferResults(finished_sending=self.finished_sending(finished_req_ids))
 
     def shutdown(self) -> None:
-        self.step_started()  # a held transfer is pushed (or refused by the writer), not dropped
+        self.step_started(None)  # a held transfer is pushed (or refused by the writer), not dropped
         self._gate.stop()
         if self.agent is not None:
             self.agent.stop()

@@ -62,6 +62,7 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
         "g_sent": _t(2000),
         "g_tokens": [_t(2097), _t(2109), _t(2121)],
         "plain_d": [_t(2500), _t(2510), _t(2520)],
+        "plain_d_pending": [_t(2600), _t(2611), _t(2622)],
         "plain_b": (rid["plain_b"], _t(3000), _t(3099)),
     }
     res = phases.analyse([row, {**row, "warmup": True}], phases.Trace(p_log, d_log))
@@ -88,6 +89,7 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
     assert d["generate_ttft_minus_plain_answer"] == pytest.approx(0.0, abs=0.01)
     assert d["tpot_ratio_pd_to_plain_decode"] == pytest.approx(1.0, abs=0.01)
     assert d["tpot_ratio_generate_to_plain_decode"] == pytest.approx(1.2, abs=0.01)
+    assert d["tpot_ratio_transfer_waiting_to_plain_decode"] == pytest.approx(1.1, abs=0.01)
     md = phases.markdown(
         {
             **res,
@@ -98,3 +100,4 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
         }
     )
     assert "| → request finished (sampled, output built) | 3.0 | 7.0 | +4.0 | 3.0 | +0.0 |" in md
+    assert "| plain request while a P/D transfer waits on the decode engine | 11.00 | 1.100 |" in md

@@ -21,6 +21,7 @@ from kvpush.connector.workers import DecodeWorker
 from kvpush.services.common import transfer_params
 from kvpush.services.common.transfer_params import DecodeLeg, LegError, PrefillLeg, canonical_bytes, to_params
 from kvpush.services.decode_agent.barrier import Outcome, Released
+from kvpush.services.decode_agent.cadence import PollCadence
 from kvpush.v1 import kvpush_pb2 as pb
 
 BLOCK = 16
@@ -83,7 +84,11 @@ def _decode(**kw: Any) -> tuple[DecodeScheduler, _Agent]:
 
 
 def _step(s: DecodeScheduler, new: tuple[str, ...] = ()) -> Any:
-    return s.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new]))
+    return s.build_connector_meta(
+        SimpleNamespace(
+            scheduled_new_reqs=[SimpleNamespace(req_id=r) for r in new], total_num_scheduled_tokens=len(new)
+        )
+    )
 
 
 def _token(tid: str = "t", token: int = 7, prefill: str = "p0") -> pb.FirstToken:
@@ -260,6 +265,7 @@ def test_legs_without_the_handoff_wait_for_nothing() -> None:
 class _Rank:
     def __init__(self) -> None:
         self.released: list[Released] = []
+        self.cadence = PollCadence()
 
     def take_released(self) -> list[Released]:
         out, self.released = self.released, []
@@ -319,3 +325,9 @@ def test_worker_reports_a_failed_load_at_once_even_without_its_token() -> None:
     rank.released = [_released("a", Outcome.FAILED)]
     out = w.transfer_results()
     assert out.finished_recving == {"a"} and out.failed_recving == {"a"}
+
+
+def test_decode_metadata_says_whether_the_step_runs_a_forward() -> None:
+    s, _ = _decode()
+    assert _step(s).forward_tokens == 0  # only requests waiting for their KV: no forward
+    assert _step(s, ("a", "b")).forward_tokens == 2

@@ -332,9 +332,9 @@ def test_prefill_worker_holds_a_handoff_transfer_until_the_next_step_starts() ->
 
     w.wait_for_save(PushMetadata(finished_prefills=[fp("held", True), fp("plain", False)]))
     assert calls == ["plain"]  # NoFence: handed over on the engine thread, the hand-off one held
-    w.step_started()
+    w.step_started(None)
     assert calls == ["plain", "held"]
-    w.step_started()  # nothing held: nothing again
+    w.step_started(None)  # nothing held: nothing again
     w.wait_for_save(PushMetadata(finished_prefills=[fp("held2", True)]))
     w.wait_for_save(PushMetadata(finished_prefills=[fp("plain2", False)]))
     assert calls == ["plain", "held", "plain2"]

@@ -28,6 +28,7 @@ from kvpush.services.common.nixl_engine import NixlEngine
 from kvpush.services.common.security import DECODE_RANK_POLICY, PREFILL, Security, claim_problem, peer_identity
 from kvpush.services.decode_agent import metrics
 from kvpush.services.decode_agent.barrier import BarrierTable, CompletionError, Outcome, Released
+from kvpush.services.decode_agent.cadence import PollCadence
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
@@ -64,8 +65,11 @@ class DecodeRankConfig:
     shape: ModelShape
     host: str = "127.0.0.1"
     port: int = 0
-    poll_interval_s: float = 100e-6  # NIXL progress cadence while transfers are expected
-    idle_poll_s: float = 5e-3  # and otherwise
+    # NIXL progress cadence (cadence.py): while transfers are expected, with the engine idle
+    # and while it runs forwards; and otherwise.
+    poll_interval_s: float = 100e-6
+    busy_poll_s: float = 1e-3
+    idle_poll_s: float = 5e-3
     tombstone_s: float = 60.0
     # The agent publishes a reservation and registers it here concurrently; a completion that
     # overtakes its expectation waits this long for it before it is refused as unknown.
@@ -99,6 +103,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self._server: grpc.aio.Server | None = None
         self.port = 0
         self._active = threading.Event()  # set while any barrier waits
+        self.cadence = PollCadence(config.poll_interval_s, config.busy_poll_s, config.idle_poll_s)
         self._expected: dict[str, asyncio.Event] = {}  # completions waiting for their expectation
         self._next_expiry = 0.0
         self._stopping = threading.Event()
@@ -156,13 +161,14 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
     # ----- NIXL progress -----------------------------------------------------------------
 
     def _poll(self) -> None:
-        """Fast while a transfer is expected; slow otherwise, so a WRITE that arrives before its
-        expectation (or for a transfer already settled) still completes instead of hanging."""
+        """Fast while a transfer is expected (less so while the engine runs forwards on the same
+        core: cadence.py); slow otherwise, so a WRITE that arrives before its expectation (or
+        for a transfer already settled) still completes instead of hanging."""
         while not self._stopping.is_set():
             if self._active.is_set():
-                time.sleep(self.config.poll_interval_s)
+                time.sleep(self.cadence.nap(True, time.monotonic()))
             else:
-                self._active.wait(self.config.idle_poll_s)
+                self._active.wait(self.cadence.idle_s)
             try:
                 self.engine.progress()
             except Exception:

@@ -1,0 +1,124 @@
+"""The decode rank's NIXL poller naps longer while the decode engine runs forwards on its core.
+
+A 100 µs poller made the requests decoding next to a waiting P/D transfer 17-23 % slower per token
+on a 2-core machine (services/decode_agent/cadence.py). These tests pin the cadence (pure), its
+wiring from vLLM's step hooks (decode worker) and its use by the rank's poller thread."""
+
+from __future__ import annotations
+
+import threading
+from types import SimpleNamespace
+
+import grpc
+
+from kvpush.connector.config import ConfigError, ConnectorConfig
+from kvpush.connector.messages import PushMetadata
+from kvpush.connector.workers import DecodeWorker
+from kvpush.services.decode_agent.cadence import PollCadence
+from kvpush.services.decode_agent.rank import DecodeRank, DecodeRankConfig
+from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+from tests.security_support import FakeEngine, regions
+from tests.transfer_nodes import shape
+
+WAIT_S = 10.0
+
+
+def test_cadence_naps_long_only_while_the_engine_runs_forwards() -> None:
+    c = PollCadence(expecting_s=1e-4, busy_s=1e-3, idle_s=5e-3, busy_hold_s=0.02)
+    assert c.nap(False, 0.0) == 5e-3  # nothing expected: slow, whatever the engine does
+    assert c.nap(True, 0.0) == 1e-4  # expected, engine idle: fast
+    c.forward_started()
+    assert c.nap(True, 100.0) == 1e-3  # a forward runs, however long
+    assert c.nap(False, 100.0) == 5e-3
+    c.step_ended(100.0)
+    assert c.nap(True, 100.01) == 1e-3  # the gap to the next step is still busy
+    c.step_ended(100.015)  # a step without a forward does not extend it
+    assert c.nap(True, 100.021) == 1e-4
+    c.forward_started()
+    c.step_ended(200.0)
+    assert c.engine_busy(200.019) and not c.engine_busy(200.021)
+
+
+class _Rank:
+    def __init__(self) -> None:
+        self.cadence = PollCadence()
+
+    def take_released(self) -> list[object]:
+        return []
+
+
+def test_decode_worker_reports_forward_steps_only() -> None:
+    w = DecodeWorker(ConnectorConfig(engine_id="d0", role="decode", insecure=True), "m")
+    rank = _Rank()
+    w.rank = rank  # type: ignore[assignment]
+    w.step_started(PushMetadata(forward_tokens=0))  # waiting for remote KV only: no forward
+    assert not rank.cadence._in_forward
+    w.transfer_results(set())
+    assert not rank.cadence.engine_busy(rank.cadence._last_forward_end + 1.0)
+    w.step_started(PushMetadata(forward_tokens=3))
+    assert rank.cadence._in_forward
+    w.transfer_results(set())
+    assert not rank.cadence._in_forward
+    end = rank.cadence._last_forward_end
+    assert rank.cadence.engine_busy(end) and not rank.cadence.engine_busy(end + 2 * rank.cadence.busy_hold_s)
+
+
+def test_poll_intervals_are_bounded() -> None:
+    def cfg(**extra: object) -> SimpleNamespace:
+        return SimpleNamespace(
+            kv_role="kv_consumer", engine_id="d0", kv_connector_extra_config={"insecure": True, **extra}
+        )
+
+    assert ConnectorConfig.from_vllm(cfg(busy_poll_interval_us=500)).busy_poll_interval_us == 500
+    for key in ("poll_interval_us", "busy_poll_interval_us"):
+        for bad in (0, -1, 2e6):
+            try:
+                ConnectorConfig.from_vllm(cfg(**{key: bad}))
+            except ConfigError as exc:
+                assert key in str(exc)
+            else:
+                raise AssertionError(f"{key}={bad} accepted")
+
+
+class _RecordingCadence(PollCadence):
+    """Signals once the poller took ``want`` naps of one length in a row."""
+
+    def __init__(self, **kw: float) -> None:
+        super().__init__(**kw)
+        self.want = 0.0
+        self.seen = threading.Event()
+        self._run = 0
+
+    def expect_naps(self, nap_s: float) -> None:
+        self.want, self._run = nap_s, 0
+        self.seen.clear()
+
+    def nap(self, expecting: bool, now: float) -> float:
+        out = super().nap(expecting, now)
+        self._run = self._run + 1 if out == self.want else 0
+        if self._run >= 5:
+            self.seen.set()
+        return out
+
+
+def test_rank_poller_follows_the_engine() -> None:
+    cfg = DecodeRankConfig(engine_id="cadence-decode", rank=0, tp_size=1, shape=shape(), busy_poll_s=2e-3)
+    r = DecodeRank(cfg, FakeEngine(), regions())  # type: ignore[arg-type]
+    cadence = _RecordingCadence(expecting_s=cfg.poll_interval_s, busy_s=cfg.busy_poll_s, idle_s=cfg.idle_poll_s)
+    r.cadence = cadence
+    r.start()
+    try:
+        stub = pb_grpc.DecodeRankStub(grpc.insecure_channel(r.endpoint))
+        exp = pb.Expectation(transfer_id="t1", epoch=1, request_id="r1", prefill_ranks=[0], prefill_engine_id="P")
+        cadence.expect_naps(cfg.poll_interval_s)
+        stub.Expect(pb.ExpectRequest(expectations=[exp]), timeout=WAIT_S)
+        assert cadence.seen.wait(WAIT_S), "no fast polling while a transfer is expected and the engine idles"
+        cadence.expect_naps(cfg.busy_poll_s)
+        cadence.forward_started()
+        assert cadence.seen.wait(WAIT_S), "the poller kept its fast cadence while the engine ran a forward"
+        cadence.expect_naps(cfg.poll_interval_s)
+        cadence.step_ended(0.0)  # long ago: idle again
+        assert cadence.seen.wait(WAIT_S), "the poller stayed slow after the engine went idle"
+    finally:
+        r.stop()
