@@ -14,6 +14,12 @@ sample slower; none at 1 ms). So the poller naps:
   completion that waits for a whole step (milliseconds) regardless;
 - ``idle_s`` (5 ms) otherwise, so a WRITE that overtakes its expectation still completes.
 
+What a wake-up costs is the wake-up, not the progress call: on the 2-core VM, one
+``get_new_notifs`` took 1.3 µs while a thread that naps and progresses used 14 % of a core at
+100 µs naps, 5.4 % at 1 ms and 2.2 % at 5 ms (timer wake-ups under virtualisation). So the
+1 ms cadence still costs a running engine a few per cent while a transfer waits: the price of
+completing WRITEs within 1 ms under load.
+
 The engine thread reports its steps (``forward_started``, ``step_ended``); the poller thread reads
 the result (``nap``). Plain attribute stores and loads: no lock on the engine's path.
 """
