@@ -9,7 +9,11 @@ connector's step trace on (``trace_steps``). For each prompt, one after another 
 4. a plain streamed request to the decode engine: the TPOT baseline;
 5. the same while a P/D transfer waits on the decode engine (``Assign``, the decode leg, the plain
    request, then the prefill leg): what a waiting transfer costs the requests decoding next to it;
-6. the plain prefill request again (the baseline is the mean of 1 and 6).
+6. the plain prefill request again (the baseline is the mean of 1 and 6);
+7. with ``--plain-instance-core C``: the same plain streamed request on a plain vLLM (no connector)
+   pinned to core C and on the decode engine, in alternating order, each after ``--quiet-s`` of
+   nothing (vLLM's CPU worker busy-waits for a second after each step, which would slow whichever
+   engine runs next on a shared core): the decode engine against one plain instance, in one run.
 
 The same prompt on the same engine, minutes apart at most: the differences are what the P/D path
 adds, free of the launch-to-launch variance that separates two launches of one plain instance
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import json
 import os
 import platform
@@ -32,7 +37,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +61,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log-dir", type=Path, default=ROOT / "runs" / "bench-phases")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "phases.json")
     ap.add_argument("--serving-arg", action="append", default=[], help="passed to the serving harness, repeatable")
+    ap.add_argument(
+        "--plain-instance-core", type=int, default=None, help="also compare with a plain vLLM pinned to this core"
+    )
+    ap.add_argument("--quiet-s", type=float, default=1.2, help="pause before each plain-instance comparison request")
     return ap.parse_args(argv)
 
 
@@ -121,7 +130,9 @@ def _tpot(ts: Sequence[float]) -> float:
     return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else float("nan")
 
 
-async def measure(pair: Any, args: argparse.Namespace, prompts: list[list[int]]) -> list[dict[str, Any]]:
+async def measure(
+    pair: Any, args: argparse.Namespace, prompts: list[list[int]], plain_url: str | None = None
+) -> list[dict[str, Any]]:
     from google.protobuf.json_format import MessageToDict
 
     from kvpush.v1 import kvpush_pb2 as pb
@@ -175,6 +186,11 @@ async def measure(pair: Any, args: argparse.Namespace, prompts: list[list[int]])
                 row["plain_d"] = await _stream(c, d_url, prompt, n, None, uuid.uuid4().hex)
                 row["plain_d_pending"] = await plain_decode_next_to_a_waiting_transfer(prompt)
                 row["plain_b"] = await plain_prefill(prompt)
+                if plain_url is not None:
+                    order = [("plain_instance", plain_url), ("plain_d_quiet", d_url)]
+                    for key, url in order[:: 1 if i % 2 == 0 else -1]:
+                        await asyncio.sleep(args.quiet_s)  # let the last engine's worker stop spinning
+                        row[key] = await _stream(c, url, prompt, n, None, uuid.uuid4().hex)
                 rows.append(row)
     finally:
         await c.close()
@@ -215,6 +231,9 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
         put("generate.tpot", _tpot(r["g_tokens"]))
         put("plain.tpot_decode", _tpot(r["plain_d"]))
         put("plain.tpot_decode_transfer_waiting", _tpot(r["plain_d_pending"]))
+        if "plain_instance" in r:
+            put("plain.tpot_instance_quiet", _tpot(r["plain_instance"]))
+            put("plain.tpot_decode_quiet", _tpot(r["plain_d_quiet"]))
     p50 = {k: float(np.nanmedian(v)) for k, v in series.items()}
 
     def paired(a: str, b: str) -> float:
@@ -232,6 +251,10 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
         "tpot_ratio_generate_to_plain_decode": ratio("generate.tpot", "plain.tpot_decode"),
         "tpot_ratio_transfer_waiting_to_plain_decode": ratio("plain.tpot_decode_transfer_waiting", "plain.tpot_decode"),
     }
+    if "plain.tpot_instance_quiet" in series:
+        diffs["tpot_ratio_decode_engine_to_plain_instance"] = ratio(
+            "plain.tpot_decode_quiet", "plain.tpot_instance_quiet"
+        )
     return {"n": len(series.get("pd.answer", [])), "p50_ms": p50, "paired": diffs, "series_ms": series}
 
 
@@ -288,7 +311,32 @@ def markdown(res: dict[str, Any]) -> str:
         f"| plain request while a P/D transfer waits on the decode engine | "
         f"{p['plain.tpot_decode_transfer_waiting']:.2f} | {d['tpot_ratio_transfer_waiting_to_plain_decode']:.3f} |",
     ]
+    if "tpot_ratio_decode_engine_to_plain_instance" in d:
+        lines += [
+            "",
+            "| decode engine against one plain vLLM (same prompts, alternating, after a quiet pause) | p50 ms |"
+            " paired ratio |",
+            "|---|---:|---:|",
+            f"| plain vLLM (no connector), core {res['config']['plain_instance_core']} | "
+            f"{p['plain.tpot_instance_quiet']:.2f} | 1 |",
+            f"| the kvpush decode engine, plain request | {p['plain.tpot_decode_quiet']:.2f} | "
+            f"{d['tpot_ratio_decode_engine_to_plain_instance']:.3f} |",
+        ]
     return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def _plain_instance(h: serving.Harness, core: int | None) -> Iterator[Any]:
+    """A plain vLLM (no connector) pinned to ``core``, started after the pair; None: none."""
+    if core is None:
+        yield None
+        return
+    srv = h.server("plain-instance", core, None, {})
+    try:
+        h.start([(srv, core)])
+        yield srv
+    finally:
+        srv.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -320,8 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     load_before = os.getloadavg()[0]
     t_start = time.monotonic()
-    with h.pair("ours") as pair:
-        rows = asyncio.run(measure(pair, args, prompts))
+    with h.pair("ours") as pair, _plain_instance(h, args.plain_instance_core) as plain:
+        rows = asyncio.run(measure(pair, args, prompts, plain.base_url if plain is not None else None))
         trace = Trace(pair.prefill.log_path, pair.decode.log_path)
     res = analyse(rows, trace)
     res.update(

@@ -63,6 +63,8 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
         "g_tokens": [_t(2097), _t(2109), _t(2121)],
         "plain_d": [_t(2500), _t(2510), _t(2520)],
         "plain_d_pending": [_t(2600), _t(2611), _t(2622)],
+        "plain_instance": [_t(4000), _t(4008), _t(4016)],
+        "plain_d_quiet": [_t(4100), _t(4109), _t(4118)],
         "plain_b": (rid["plain_b"], _t(3000), _t(3099)),
     }
     res = phases.analyse([row, {**row, "warmup": True}], phases.Trace(p_log, d_log))
@@ -90,10 +92,17 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
     assert d["tpot_ratio_pd_to_plain_decode"] == pytest.approx(1.0, abs=0.01)
     assert d["tpot_ratio_generate_to_plain_decode"] == pytest.approx(1.2, abs=0.01)
     assert d["tpot_ratio_transfer_waiting_to_plain_decode"] == pytest.approx(1.1, abs=0.01)
+    assert d["tpot_ratio_decode_engine_to_plain_instance"] == pytest.approx(9 / 8, abs=0.001)
+    assert (
+        "tpot_ratio_decode_engine_to_plain_instance"
+        not in phases.analyse(
+            [{k: v for k, v in row.items() if k not in ("plain_instance", "plain_d_quiet")}], phases.Trace(p_log, d_log)
+        )["paired"]
+    )
     md = phases.markdown(
         {
             **res,
-            "config": {"prompt_len": 1024, "output_len": 3},
+            "config": {"prompt_len": 1024, "output_len": 3, "plain_instance_core": 0},
             "load_before": 1.0,
             "load_after": 1.0,
             "host": "2 CPUs",
@@ -101,3 +110,4 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
     )
     assert "| → request finished (sampled, output built) | 3.0 | 7.0 | +4.0 | 3.0 | +0.0 |" in md
     assert "| plain request while a P/D transfer waits on the decode engine | 11.00 | 1.100 |" in md
+    assert "| the kvpush decode engine, plain request | 9.00 | 1.125 |" in md
