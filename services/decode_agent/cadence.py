@@ -12,11 +12,14 @@ sample slower; none at 1 ms). So the poller naps:
 - ``busy_s`` (1 ms) while a transfer is expected and the engine runs forwards: a release is only
   picked up at the next step's boundary anyway, so the nap adds at most ``busy_s`` to a
   completion that waits for a whole step (milliseconds) regardless;
-- ``idle_s`` (5 ms) otherwise, so a WRITE that overtakes its expectation still completes.
+- ``idle_s`` (20 ms) otherwise, so a late WRITE (for a transfer decode already settled) still
+  completes instead of waiting for the writer's timeout. A WRITE that overtakes its expectation
+  does not wait for it: the expectation wakes the poller at once.
 
 What a wake-up costs is the wake-up, not the progress call: on the 2-core VM, one
 ``get_new_notifs`` took 1.3 µs while a thread that naps and progresses used 14 % of a core at
-100 µs naps, 5.4 % at 1 ms and 2.2 % at 5 ms (timer wake-ups under virtualisation). So the
+100 µs naps, 5.4 % at 1 ms and 2.2 % at 5 ms (timer wake-ups under virtualisation; the idle
+nap was 5 ms before, 2.6 % of an idle decode engine's core). So the
 1 ms cadence still costs a running engine a few per cent while a transfer waits: the price of
 completing WRITEs within 1 ms under load.
 
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field
 class PollCadence:
     expecting_s: float = 100e-6
     busy_s: float = 1e-3
-    idle_s: float = 5e-3
+    idle_s: float = 20e-3
     # A gap this short between two forward steps (scheduling, output processing) is still busy.
     busy_hold_s: float = 0.02
     _in_forward: bool = field(default=False, repr=False)

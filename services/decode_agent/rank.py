@@ -69,7 +69,7 @@ class DecodeRankConfig:
     # and while it runs forwards; and otherwise.
     poll_interval_s: float = 100e-6
     busy_poll_s: float = 1e-3
-    idle_poll_s: float = 5e-3
+    idle_poll_s: float = 20e-3
     tombstone_s: float = 60.0
     # The agent publishes a reservation and registers it here concurrently; a completion that
     # overtakes its expectation waits this long for it before it is refused as unknown.
