@@ -14,6 +14,7 @@ connector's step trace on (``trace_steps``). For each prompt, one after another 
    pinned to core C and on the decode engine, in alternating order, each after ``--quiet-s`` of
    nothing (vLLM's CPU worker busy-waits for a second after each step, which would slow whichever
    engine runs next on a shared core): the decode engine against one plain instance, in one run.
+   Use D's core (1) to compare engines on the same core; the pause also follows this step.
 
 The same prompt on the same engine, minutes apart at most: the differences are what the P/D path
 adds, free of the launch-to-launch variance that separates two launches of one plain instance
@@ -191,6 +192,7 @@ async def measure(
                     for key, url in order[:: 1 if i % 2 == 0 else -1]:
                         await asyncio.sleep(args.quiet_s)  # let the last engine's worker stop spinning
                         row[key] = await _stream(c, url, prompt, n, None, uuid.uuid4().hex)
+                    await asyncio.sleep(args.quiet_s)  # nor the next prompt's requests
                 rows.append(row)
     finally:
         await c.close()
