@@ -62,9 +62,10 @@ class ConnectorConfig:
     # kv_load_failure_policy decides; 0 turns retry elsewhere off. Needs scheduler_address.
     max_reroutes: int = 1
     # Decode rank's NIXL progress cadence while transfers wait: with the engine idle, and while
-    # it runs forwards on the same core (services/decode_agent/cadence.py).
+    # it runs forwards on the same core, when the engine thread also progresses at every step's
+    # end (services/decode_agent/cadence.py).
     poll_interval_us: float = 100.0
-    busy_poll_interval_us: float = 1000.0
+    busy_poll_interval_us: float = 5000.0
     # NIXL UCX backend's error handling: "" keeps NIXL's default ("peer": dead peers detected on
     # every transport); "none" lets cma WRITEs complete without the target calling into NIXL.
     ucx_error_handling_mode: str = ""

@@ -121,7 +121,7 @@ class DecodeWorker:
         if self.rank is None:
             return out
         now = time.monotonic()
-        self.rank.cadence.step_ended(now)
+        self.rank.step_ended(now)
         released: list[Released] = self.rank.take_released()
         for rel in released:
             if rel.outcome is Outcome.OK and rel.request_id in self._needs_token:

@@ -44,6 +44,9 @@ class _Rank:
     def __init__(self) -> None:
         self.cadence = PollCadence()
 
+    def step_ended(self, now: float) -> None:
+        self.cadence.step_ended(now)
+
     def take_released(self) -> list[object]:
         return []
 
@@ -103,7 +106,7 @@ class _RecordingCadence(PollCadence):
 
 
 def test_rank_poller_follows_the_engine() -> None:
-    cfg = DecodeRankConfig(engine_id="cadence-decode", rank=0, tp_size=1, shape=shape(), busy_poll_s=2e-3)
+    cfg = DecodeRankConfig(engine_id="cadence-decode", rank=0, tp_size=1, shape=shape())
     r = DecodeRank(cfg, FakeEngine(), regions())  # type: ignore[arg-type]
     cadence = _RecordingCadence(expecting_s=cfg.poll_interval_s, busy_s=cfg.busy_poll_s, idle_s=cfg.idle_poll_s)
     r.cadence = cadence
@@ -120,5 +123,38 @@ def test_rank_poller_follows_the_engine() -> None:
         cadence.expect_naps(cfg.poll_interval_s)
         cadence.step_ended(0.0)  # long ago: idle again
         assert cadence.seen.wait(WAIT_S), "the poller stayed slow after the engine went idle"
+    finally:
+        r.stop()
+
+
+class _CountingEngine(FakeEngine):
+    """Counts the progress calls made from the thread that runs the test (the engine thread)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.from_engine_thread = 0
+        self._engine_thread = threading.current_thread()
+
+    def progress(self) -> dict[str, list[bytes]]:
+        if threading.current_thread() is self._engine_thread:
+            self.from_engine_thread += 1
+        return {}
+
+
+def test_engine_thread_progresses_nixl_at_step_end_only_while_a_transfer_is_expected() -> None:
+    engine = _CountingEngine()
+    cfg = DecodeRankConfig(engine_id="step-end-decode", rank=0, tp_size=1, shape=shape())
+    r = DecodeRank(cfg, engine, regions()).start()  # type: ignore[arg-type]
+    try:
+        r.step_ended(0.0)
+        assert engine.from_engine_thread == 0  # nothing expected: the step pays nothing
+        stub = pb_grpc.DecodeRankStub(grpc.insecure_channel(r.endpoint))
+        exp = pb.Expectation(transfer_id="t1", epoch=1, request_id="r1", prefill_ranks=[0], prefill_engine_id="P")
+        stub.Expect(pb.ExpectRequest(expectations=[exp]), timeout=WAIT_S)
+        r.step_ended(0.0)
+        assert engine.from_engine_thread == 1
+        with r._progress_lock:  # the poller is progressing: the engine thread does not wait for it
+            r.step_ended(0.0)
+        assert engine.from_engine_thread == 1
     finally:
         r.stop()

@@ -267,6 +267,9 @@ class _Rank:
         self.released: list[Released] = []
         self.cadence = PollCadence()
 
+    def step_ended(self, now: float) -> None:
+        self.cadence.step_ended(now)
+
     def take_released(self) -> list[Released]:
         out, self.released = self.released, []
         return out

@@ -393,7 +393,7 @@ def test_decode_worker_reports_only_ok_as_a_successful_load() -> None:
         Released("b", 1, "failed-req", Outcome.FAILED, "boom"),
         Released("c", 1, "cancelled-req", Outcome.CANCELLED, "superseded"),
     ]
-    w.rank = SimpleNamespace(take_released=lambda: rels, cadence=PollCadence())  # type: ignore[assignment]
+    w.rank = SimpleNamespace(take_released=lambda: rels, step_ended=PollCadence().step_ended)  # type: ignore[assignment]
     results = w.transfer_results()
     done, failed = results.finished_recving, results.failed_recving
     assert done == {"ok-req", "failed-req", "cancelled-req"}

@@ -68,7 +68,7 @@ class DecodeRankConfig:
     # NIXL progress cadence (cadence.py): while transfers are expected, with the engine idle
     # and while it runs forwards; and otherwise.
     poll_interval_s: float = 100e-6
-    busy_poll_s: float = 1e-3
+    busy_poll_s: float = 5e-3  # the engine thread also progresses at each step's end
     idle_poll_s: float = 20e-3
     tombstone_s: float = 60.0
     # The agent publishes a reservation and registers it here concurrently; a completion that
@@ -107,6 +107,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self._expected: dict[str, asyncio.Event] = {}  # completions waiting for their expectation
         self._next_expiry = 0.0
         self._stopping = threading.Event()
+        self._progress_lock = threading.Lock()  # one thread drives the NIXL agent at a time
         self._drain_lock = threading.Lock()
         self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         self._poller = threading.Thread(target=self._poll, name=f"kvpush-nixl-poller-{config.rank}", daemon=True)
@@ -169,10 +170,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
                 time.sleep(self.cadence.nap(True, time.monotonic()))
             else:
                 self._active.wait(self.cadence.idle_s)
-            try:
-                self.engine.progress()
-            except Exception:
-                log.exception("nixl_progress_failed")
+            self._progress()
             with self._drain_lock:
                 waiters, self._drain_waiters = self._drain_waiters, []
             if waiters:
@@ -183,11 +181,27 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
     def _drain_now(self) -> None:
         end = time.monotonic() + self.config.drain_s
         while time.monotonic() < end:
-            try:
-                self.engine.progress()
-            except Exception:
-                log.exception("nixl_progress_failed")
+            self._progress()
             time.sleep(self.config.poll_interval_s)
+
+    def _progress(self, wait: bool = True) -> None:
+        if not self._progress_lock.acquire(blocking=wait):
+            return  # the poller is progressing right now
+        try:
+            self.engine.progress()
+        except Exception:
+            log.exception("nixl_progress_failed")
+        finally:
+            self._progress_lock.release()
+
+    def step_ended(self, now: float) -> None:
+        """Called by the engine thread at the end of each step. While a transfer is expected it
+        progresses NIXL here (about a microsecond, no thread wake-up): with the engine running
+        forwards the poller naps ``busy_poll_s``, so a WRITE that lands mid-step completes at the
+        step's end, before the engine looks for released transfers again."""
+        self.cadence.step_ended(now)
+        if self._active.is_set():
+            self._progress(wait=False)
 
     async def _drain(self) -> None:
         """Returns once the poller progressed NIXL for ``drain_s`` after this call."""
