@@ -9,6 +9,8 @@ connector's step trace on (``trace_steps``). For each prompt, one after another 
 4. a plain streamed request to the decode engine: the TPOT baseline;
 5. the same while a P/D transfer waits on the decode engine (``Assign``, the decode leg, the plain
    request, then the prefill leg): what a waiting transfer costs the requests decoding next to it;
+   then a P/D request (``Assign`` path) sent just after a plain request to the decode engine, so its
+   KV lands while decode runs that request's steps: its push phases with decode busy;
 6. the plain prefill request again (the baseline is the mean of 1 and 6);
 7. with ``--plain-instance-core C``: the same plain streamed request on a plain vLLM (no connector)
    pinned to core C and on the decode engine, in alternating order, each after ``--quiet-s`` of
@@ -163,6 +165,18 @@ async def measure(
                 await serving._release(stub, a, pb.OUTCOME_OK)
                 return plain
 
+            async def handoff_into_a_running_decode(prompt: list[int]) -> tuple[str, list[float]]:
+                """A P/D request whose KV lands while the decode engine runs a plain request's steps."""
+                plain = asyncio.create_task(_stream(c, d_url, prompt, n, None, uuid.uuid4().hex))
+                a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=30)
+                leg_params = MessageToDict(a.decode_kv_transfer_params)
+                decode = asyncio.create_task(_stream(c, d_url, prompt, n, leg_params, uuid.uuid4().hex))
+                await c.once(p_url, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), uuid.uuid4().hex)
+                d_tokens = await decode
+                await plain
+                await serving._release(stub, a, pb.OUTCOME_OK)
+                return a.transfer_id, d_tokens
+
             for i, prompt in enumerate(prompts):
                 row: dict[str, Any] = {"warmup": i < args.warmup}
                 row["plain_a"] = await plain_prefill(prompt)
@@ -186,6 +200,7 @@ async def measure(
                 row.update(g_sent=g0, g_tokens=g_tokens)
                 row["plain_d"] = await _stream(c, d_url, prompt, n, None, uuid.uuid4().hex)
                 row["plain_d_pending"] = await plain_decode_next_to_a_waiting_transfer(prompt)
+                row["busy_tid"], row["busy_d_tokens"] = await handoff_into_a_running_decode(prompt)
                 row["plain_b"] = await plain_prefill(prompt)
                 if plain_url is not None:
                     order = [("plain_instance", plain_url), ("plain_d_quiet", d_url)]
@@ -233,6 +248,11 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
         put("generate.tpot", _tpot(r["g_tokens"]))
         put("plain.tpot_decode", _tpot(r["plain_d"]))
         put("plain.tpot_decode_transfer_waiting", _tpot(r["plain_d_pending"]))
+        if "busy_tid" in r:
+            bw = trace.writes.get(r["busy_tid"], {})
+            b_rel = trace.released.get(r["busy_tid"], float("nan"))
+            put("busy.write_to_release", b_rel - (serving._ts(bw) if bw else float("nan")))
+            put("busy.release_to_first_token", r["busy_d_tokens"][0] - b_rel)
         if "plain_instance" in r:
             put("plain.tpot_instance_quiet", _tpot(r["plain_instance"]))
             put("plain.tpot_decode_quiet", _tpot(r["plain_d_quiet"]))
@@ -304,6 +324,10 @@ def markdown(res: dict[str, Any]) -> str:
         f"| WRITE (plan, post, complete) | {p['pd.write']:.2f} |",
         f"| WRITE done → decode releases | {p['pd.write_to_release']:.2f} |",
         f"| release → decode's first token | {p['pd.release_to_first_token']:.1f} |",
+        f"| decode running a plain request meanwhile: WRITE done → decode releases | "
+        f"{p.get('busy.write_to_release', float('nan')):.2f} |",
+        f"| decode running a plain request meanwhile: release → decode's first token | "
+        f"{p.get('busy.release_to_first_token', float('nan')):.1f} |",
         "",
         "| decode TPOT | p50 ms | paired ratio to plain on the same decode engine |",
         "|---|---:|---:|",

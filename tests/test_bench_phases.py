@@ -46,10 +46,14 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
                 _line("request_scheduled", 3008, request_id=f"cmpl-{rid['plain_b']}-0"),
                 _line("forward_done", 3088),
                 _line("request_finished", 3091, request_id=f"cmpl-{rid['plain_b']}-0"),
+                # the hand-off into a running decode: WRITE done at 5001, released at 5004
+                _line("write_finished", 5001, transfer_id="t2", write_ms="1.0"),
             ]
         )
     )
-    d_log.write_text(_line("transfer_released", 1100, transfer_id="t1"))
+    d_log.write_text(
+        _line("transfer_released", 1100, transfer_id="t1") + _line("transfer_released", 5004, transfer_id="t2")
+    )
     row = {
         "warmup": False,
         "plain_a": (rid["plain_a"], _t(0), _t(95)),
@@ -64,6 +68,8 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
         "plain_d": [_t(2500), _t(2510), _t(2520)],
         "plain_d_pending": [_t(2600), _t(2611), _t(2622)],
         "plain_instance": [_t(4000), _t(4008), _t(4016)],
+        "busy_tid": "t2",
+        "busy_d_tokens": [_t(5012), _t(5020), _t(5028)],
         "plain_d_quiet": [_t(4100), _t(4109), _t(4118)],
         "plain_b": (rid["plain_b"], _t(3000), _t(3099)),
     }
@@ -93,6 +99,8 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
     assert d["tpot_ratio_generate_to_plain_decode"] == pytest.approx(1.2, abs=0.01)
     assert d["tpot_ratio_transfer_waiting_to_plain_decode"] == pytest.approx(1.1, abs=0.01)
     assert d["tpot_ratio_decode_engine_to_plain_instance"] == pytest.approx(9 / 8, abs=0.001)
+    assert p["busy.write_to_release"] == pytest.approx(3.0, abs=0.01)
+    assert p["busy.release_to_first_token"] == pytest.approx(8.0, abs=0.01)
     assert (
         "tpot_ratio_decode_engine_to_plain_instance"
         not in phases.analyse(
