@@ -4,8 +4,7 @@ The poller runs inside the decode engine's process. Over UCX's default (peer fai
 prefill WRITE completes only once this side progresses, so while a transfer is expected the nap
 bounds the WRITE's completion latency. But every wake-up takes the GIL and the core from the
 engine's forward loop: measured on a 2-core machine, waking every 100 µs while one P/D request
-waited made the plain requests decoding next to it 17-23 % slower per token (every paired
-sample slower; none at 1 ms). So the poller naps:
+waited made the plain requests decoding next to it 17-24 % slower per token. So the poller naps:
 
 - ``expecting_s`` (100 µs) while a transfer is expected and the engine is not running forwards:
   the core is free, and the WRITE's completion is on the path of a request that is alone;
