@@ -95,7 +95,7 @@ class DecodeWorker:
 
     def step_started(self, meta: PushMetadata | None) -> None:
         if meta is not None and meta.forward_tokens and self.rank is not None:
-            self.rank.cadence.forward_started()
+            self.rank.forward_started()
 
     def wait_for_save(self, meta: PushMetadata | None) -> None:
         """Decode saves nothing (prefill pushes into it); before this step samples, it takes the

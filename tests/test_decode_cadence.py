@@ -45,6 +45,9 @@ class _Rank:
     def __init__(self) -> None:
         self.cadence = PollCadence()
 
+    def forward_started(self) -> None:
+        self.cadence.forward_started()
+
     def step_ended(self, now: float) -> None:
         self.cadence.step_ended(now)
 

@@ -267,6 +267,9 @@ class _Rank:
         self.released: list[Released] = []
         self.cadence = PollCadence()
 
+    def forward_started(self) -> None:
+        self.cadence.forward_started()
+
     def step_ended(self, now: float) -> None:
         self.cadence.step_ended(now)
 

@@ -194,6 +194,10 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         finally:
             self._progress_lock.release()
 
+    def forward_started(self) -> None:
+        """Called by the engine thread when it binds a step that runs a forward."""
+        self.cadence.forward_started()
+
     def step_ended(self, now: float) -> None:
         """Called by the engine thread at the end of each step. While a transfer is expected it
         progresses NIXL here (about a microsecond, no thread wake-up): with the engine running
