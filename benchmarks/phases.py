@@ -155,12 +155,21 @@ async def measure(
                 await c.once(p_url, prompt, 1, None, rid)
                 return rid, t0, time.time()
 
+            async def assign(prompt: list[int]) -> Any:
+                return await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=30)
+
+            def decode_leg(prompt: list[int], a: Any) -> asyncio.Task[list[float]]:
+                params = MessageToDict(a.decode_kv_transfer_params)
+                return asyncio.create_task(_stream(c, d_url, prompt, n, params, uuid.uuid4().hex))
+
+            async def prefill_leg(prompt: list[int], a: Any, rid: str) -> None:
+                await c.once(p_url, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), rid)
+
             async def plain_decode_next_to_a_waiting_transfer(prompt: list[int]) -> list[float]:
-                a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=30)
-                leg_params = MessageToDict(a.decode_kv_transfer_params)
-                waiting = asyncio.create_task(_stream(c, d_url, prompt, n, leg_params, uuid.uuid4().hex))
+                a = await assign(prompt)
+                waiting = decode_leg(prompt, a)
                 plain = await _stream(c, d_url, prompt, n, None, uuid.uuid4().hex)
-                await c.once(p_url, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), uuid.uuid4().hex)
+                await prefill_leg(prompt, a, uuid.uuid4().hex)
                 await waiting
                 await serving._release(stub, a, pb.OUTCOME_OK)
                 return plain
@@ -168,10 +177,9 @@ async def measure(
             async def handoff_into_a_running_decode(prompt: list[int]) -> tuple[str, list[float]]:
                 """A P/D request whose KV lands while the decode engine runs a plain request's steps."""
                 plain = asyncio.create_task(_stream(c, d_url, prompt, n, None, uuid.uuid4().hex))
-                a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=30)
-                leg_params = MessageToDict(a.decode_kv_transfer_params)
-                decode = asyncio.create_task(_stream(c, d_url, prompt, n, leg_params, uuid.uuid4().hex))
-                await c.once(p_url, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), uuid.uuid4().hex)
+                a = await assign(prompt)
+                decode = decode_leg(prompt, a)
+                await prefill_leg(prompt, a, uuid.uuid4().hex)
                 d_tokens = await decode
                 await plain
                 await serving._release(stub, a, pb.OUTCOME_OK)
@@ -181,13 +189,11 @@ async def measure(
                 row: dict[str, Any] = {"warmup": i < args.warmup}
                 row["plain_a"] = await plain_prefill(prompt)
                 t0 = time.time()
-                a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=30)
+                a = await assign(prompt)
                 t1 = time.time()
                 p_rid = uuid.uuid4().hex
-                decode = asyncio.create_task(
-                    _stream(c, d_url, prompt, n, MessageToDict(a.decode_kv_transfer_params), uuid.uuid4().hex)
-                )
-                await c.once(p_url, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), p_rid)
+                decode = decode_leg(prompt, a)
+                await prefill_leg(prompt, a, p_rid)
                 t2 = time.time()
                 d_tokens = await decode
                 await serving._release(stub, a, pb.OUTCOME_OK)
