@@ -219,7 +219,9 @@ class Bench:
             await c.close()
         self.clients = []
 
-    async def streamed(self, lat: list[float], errs: list[int], arrival: float | None = None) -> None:
+    async def streamed(
+        self, lat: list[float], errs: list[int], arrival: float | None = None, lags: list[float] | None = None
+    ) -> None:
         """One Assign through a stream client (timed from ``arrival``, its scheduled arrival in an
         open loop, so a late start counts too; else from now), then its Release queued on the same
         stream."""
@@ -228,6 +230,8 @@ class Bench:
         self._n += 1
         client = self.clients[self._n % len(self.clients)]
         t0 = time.perf_counter() if arrival is None else arrival
+        if lags is not None:
+            lags.append(time.perf_counter() - t0)
         request = pb.AssignRequest(prompt_tokens=512, max_tokens=128)
         try:
             a = await (client.assign_compact(request) if client.compact else client.assign(request))
@@ -240,6 +244,7 @@ class Bench:
 
     async def stream_open_loop(self, rate: float, seconds: float) -> dict[str, Any]:
         lat: list[float] = []
+        lags: list[float] = []
         errs = [0]
         tasks: set[asyncio.Task[None]] = set()
         n = int(rate * seconds)
@@ -251,7 +256,7 @@ class Bench:
             # Every arrival due by now starts now (the loop wakes about every 0.2 ms).
             due = min(n, int((now - start) * rate) + 1)
             while i < due:
-                t = asyncio.create_task(self.streamed(lat, errs, start + i / rate))
+                t = asyncio.create_task(self.streamed(lat, errs, start + i / rate, lags))
                 tasks.add(t)
                 t.add_done_callback(tasks.discard)
                 i += 1
@@ -259,6 +264,8 @@ class Bench:
         await asyncio.gather(*tasks)
         res = _summary("AssignStream open loop, release inline", lat, errs[0], time.perf_counter() - start, rate)
         res["batches"] = sum(c.batches for c in self.clients) - batches0
+        lags.sort()
+        res["arrival_lag_p50_ms"], res["arrival_lag_p99_ms"] = _pct(lags, 0.5) * 1e3, _pct(lags, 0.99) * 1e3
         return res
 
     async def stream_closed_loop(self, workers: int, seconds: float) -> dict[str, Any]:

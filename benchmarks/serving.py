@@ -748,6 +748,13 @@ def affinity_shim(run_dir: Path) -> Path | None:
     return shim
 
 
+def _executor(asked: str | None) -> str:
+    """The vLLM executor every one-rank server of the run uses (services/common/vllm_server.py)."""
+    from kvpush.services.common.vllm_server import EXECUTOR_ENV
+
+    return asked or os.environ.get(EXECUTOR_ENV, "uni")
+
+
 class Harness:
     def __init__(self, args: argparse.Namespace) -> None:
         from scripts.cluster.vllm import cores
@@ -760,6 +767,7 @@ class Harness:
         self.p_core = args.prefill_core if args.prefill_core is not None else on[0]
         self.d_core = args.decode_core if args.decode_core is not None else on[-1]
         self.shim = affinity_shim(self.run_dir)
+        self.executor = _executor(getattr(args, "executor", None))
         self.log = sys.stderr
         # The single instance's unloaded latency per prompt length (``unloaded``): the SLOs' base.
         self.unloaded: dict[int, dict[str, float]] = {}
@@ -794,6 +802,7 @@ class Harness:
             extra_args=["--no-enable-prefix-caching", *a.vllm_arg],
             log_path=self.run_dir / f"{name}.log",
             ready_timeout=None,
+            executor=self.executor,
         )
 
     def start(self, servers: list[tuple[Any, int | None]]) -> None:
@@ -1318,7 +1327,7 @@ def markdown(res: dict[str, Any]) -> str:
         f"Model `{cfg['model_dir']}` ({cfg['model']['layers']} layers, {cfg['model']['kv_heads']} KV heads × "
         f"{cfg['model']['head_dim']}), {' and '.join(str(o) for o in outs)} output tokens, P on core "
         f"{cfg['prefill_core']}, D on core {cfg['decode_core']}, single instance on core {cfg['prefill_core']}, "
-        f"two_plain on both; {res['host']}.",
+        f"two_plain on both; vLLM executor `{cfg.get('vllm_executor', 'mp')}`; {res['host']}.",
         "",
         _slo_line(res),
         "",
@@ -1598,6 +1607,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="pin the scheduler's threads to this core (default: not pinned, the OS places them)",
     )
+    ap.add_argument(
+        "--executor",
+        choices=("uni", "mp"),
+        default=None,
+        help="how every one-rank vLLM runs its model: uni (in the EngineCore process, the default) or mp "
+        "(a Worker process; vLLM's CPU default). Default: $KVPUSH_VLLM_EXECUTOR, else uni",
+    )
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin process trees (GPU machines)")
     ap.add_argument("--prefill-env", action="append", default=[], help="KEY=VAL for P (and single), repeatable")
     ap.add_argument("--decode-env", action="append", default=[], help="KEY=VAL for D, repeatable")
@@ -1719,6 +1735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prefill_core": h.p_core,
             "decode_core": h.d_core,
             "affinity_shim": h.shim is not None,
+            "vllm_executor": h.executor,
         },
         "points": [asdict(p) for p in pts],
         "raw_nixl": {str(k): v for k, v in raw.items()},

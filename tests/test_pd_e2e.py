@@ -152,9 +152,11 @@ def test_transferred_kv_is_what_decode_uses(cluster: PDCluster) -> None:
 
 
 def test_aborts_mid_flight_leave_no_blocks_behind(cluster: PDCluster, free_baseline: int) -> None:
-    for i, deadline_ms in enumerate([5, 20, 50, 100, 200, 400]):
+    # 320 tokens take 0.5 s or more to decode here (1.5-2 ms a token on a fast core): every deadline
+    # ends its request mid-flight (before, during or after the transfer, or while decoding).
+    for i, deadline_ms in enumerate([5, 20, 50, 100, 200]):
         req = pb.GenerateRequest(
-            prompt_token_ids=prompt_of(900, seed=10 + i), max_tokens=200, temperature=0.0, ignore_eos=True
+            prompt_token_ids=prompt_of(700, seed=10 + i), max_tokens=320, temperature=0.0, ignore_eos=True
         )
         with pytest.raises(grpc.RpcError) as err:
             for _ in cluster.stub.Generate(req, timeout=deadline_ms / 1e3):

