@@ -46,6 +46,10 @@ class KvPushConnector(KVConnectorBase_V1):
         configure()
         assert vllm_config.kv_transfer_config is not None
         self.cfg = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config)
+        if self.cfg.gil_switch_interval_us:
+            import sys
+
+            sys.setswitchinterval(self.cfg.gil_switch_interval_us / 1e6)
         model_id = self.cfg.model_id or default_model_id(vllm_config.model_config.model)
         self._trace = get_logger("kvpush.connector.trace") if self.cfg.trace_steps else None
         self._num_groups = max(1, len(kv_cache_config.kv_cache_groups)) if kv_cache_config else 1

@@ -82,6 +82,12 @@ def test_poll_intervals_are_bounded() -> None:
         for bad in (0, -1, 2e6):
             with pytest.raises(ConfigError, match=key):
                 ConnectorConfig.from_vllm(cfg(**{key: bad}))
+    # The engine's GIL switch interval: 0 keeps Python's; negative or over a second is refused.
+    assert ConnectorConfig.from_vllm(cfg()).gil_switch_interval_us == 500
+    assert ConnectorConfig.from_vllm(cfg(gil_switch_interval_us=0)).gil_switch_interval_us == 0
+    for bad in (-1, 2e6):
+        with pytest.raises(ConfigError, match="gil_switch_interval_us"):
+            ConnectorConfig.from_vllm(cfg(gil_switch_interval_us=bad))
 
 
 class _RecordingCadence(PollCadence):
