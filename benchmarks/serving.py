@@ -748,13 +748,6 @@ def affinity_shim(run_dir: Path) -> Path | None:
     return shim
 
 
-def _executor(asked: str | None) -> str:
-    """The vLLM executor every one-rank server of the run uses (services/common/vllm_server.py)."""
-    from kvpush.services.common.vllm_server import EXECUTOR_ENV
-
-    return asked or os.environ.get(EXECUTOR_ENV, "uni")
-
-
 class Harness:
     def __init__(self, args: argparse.Namespace) -> None:
         from scripts.cluster.vllm import cores
@@ -767,7 +760,10 @@ class Harness:
         self.p_core = args.prefill_core if args.prefill_core is not None else on[0]
         self.d_core = args.decode_core if args.decode_core is not None else on[-1]
         self.shim = affinity_shim(self.run_dir)
-        self.executor = _executor(getattr(args, "executor", None))
+        from kvpush.services.common.vllm_server import default_executor
+
+        # The vLLM executor of every one-rank server of the run (services/common/vllm_server.py).
+        self.executor: str = getattr(args, "executor", None) or default_executor()
         self.log = sys.stderr
         # The single instance's unloaded latency per prompt length (``unloaded``): the SLOs' base.
         self.unloaded: dict[int, dict[str, float]] = {}

@@ -44,7 +44,7 @@ def test_multiprocess_executor_on_request(monkeypatch: pytest.MonkeyPatch) -> No
     assert _server(executor="uni").executor == "uni"  # the argument wins over the environment
 
 
-@pytest.mark.parametrize("tp", [["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"]])
+@pytest.mark.parametrize("tp", [["--tensor-parallel-size", "2"], ["--tensor-parallel-size=2"], ["-tp", "2"]])
 def test_tensor_parallel_always_uses_worker_processes(tp: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(EXECUTOR_ENV, raising=False)
     srv = _server(extra_args=tp, executor="uni")

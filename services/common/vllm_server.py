@@ -320,15 +320,23 @@ class VllmServer:
         self.stop()
 
 
+def default_executor() -> str:
+    """``$KVPUSH_VLLM_EXECUTOR``, else ``uni``. Raises ValueError for an unknown name."""
+    name = os.environ.get(EXECUTOR_ENV, "uni")
+    if name not in EXECUTORS:
+        raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")
+    return name
+
+
 def _resolve_executor(executor: str | None, extra_args: Sequence[str]) -> str:
-    """``executor``, else ``$KVPUSH_VLLM_EXECUTOR``, else ``uni``; ``mp`` whatever was asked when the
-    server runs more than one tensor-parallel rank. Raises ValueError for an unknown name."""
-    name = executor if executor is not None else os.environ.get(EXECUTOR_ENV, "uni")
+    """``executor``, else ``default_executor()``; ``mp`` whatever was asked when the server runs more
+    than one tensor-parallel rank. Raises ValueError for an unknown name."""
+    name = executor if executor is not None else default_executor()
     if name not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")
     args = list(extra_args)
     for i, arg in enumerate(args):
-        if arg.startswith("--tensor-parallel-size"):
+        if arg.startswith(("--tensor-parallel-size", "-tp")):
             value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "1")
             if value.strip() != "1":
                 return "mp"
