@@ -56,3 +56,25 @@ def test_unknown_executor_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(EXECUTOR_ENV, "ray")
     with pytest.raises(ValueError, match="executor must be one of"):
         _server()
+
+
+@pytest.mark.parametrize(
+    ("args", "executor"),
+    [
+        (["--distributed-executor-backend", "mp"], "mp"),
+        (["--distributed-executor-backend=mp"], "mp"),
+        (["--distributed-executor-backend", "uni"], "uni"),
+        (["--distributed-executor-backend=uni"], "uni"),
+    ],
+)
+def test_an_explicit_backend_flag_decides(args: list[str], executor: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(EXECUTOR_ENV, raising=False)
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+    srv = _server(extra_args=args)
+    assert srv.executor == executor
+    assert (
+        srv.command().count("--distributed-executor-backend")
+        + sum(a.startswith("--distributed-executor-backend=") for a in srv.command())
+        == 1
+    )
+    assert ("VLLM_ENABLE_V1_MULTIPROCESSING" in srv.environment()) == (executor == "uni")

@@ -172,7 +172,7 @@ class VllmServer:
             ):
                 # A kvpush decode engine offers the first-token hand-off (docs/first_token.md).
                 args += ["--worker-cls", "kvpush.connector.vllm_worker.KvPushWorker"]
-        if self.executor == "uni" and "--distributed-executor-backend" not in self.extra_args:
+        if self.executor == "uni" and _flag_value(self.extra_args, "--distributed-executor-backend") is None:
             args += ["--distributed-executor-backend", "uni"]
         return args + self.extra_args
 
@@ -328,18 +328,31 @@ def default_executor() -> str:
     return name
 
 
+def _flag_value(args: Sequence[str], *names: str) -> str | None:
+    """The value of the last ``--name value`` or ``--name=value`` among ``args``; None if absent."""
+    found = None
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                found = args[i + 1]
+            elif arg.startswith(name + "="):
+                found = arg.split("=", 1)[1]
+    return found
+
+
 def _resolve_executor(executor: str | None, extra_args: Sequence[str]) -> str:
     """``executor``, else ``default_executor()``; ``mp`` whatever was asked when the server runs more
-    than one tensor-parallel rank. Raises ValueError for an unknown name."""
+    than one tensor-parallel rank, and what ``--distributed-executor-backend`` says when the caller
+    passes it. Raises ValueError for an unknown name."""
     name = executor if executor is not None else default_executor()
     if name not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")
-    args = list(extra_args)
-    for i, arg in enumerate(args):
-        if arg.startswith(("--tensor-parallel-size", "-tp")):
-            value = arg.split("=", 1)[1] if "=" in arg else (args[i + 1] if i + 1 < len(args) else "1")
-            if value.strip() != "1":
-                return "mp"
+    tp = _flag_value(extra_args, "--tensor-parallel-size", "-tp")
+    if tp is not None and tp.strip() != "1":
+        return "mp"
+    backend = _flag_value(extra_args, "--distributed-executor-backend")
+    if backend is not None:
+        return "uni" if backend == "uni" else "mp"
     return name
 
 
