@@ -10,6 +10,7 @@ the agents (gRPC, NIXL) load when an engine process builds the connector.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -47,8 +48,6 @@ class KvPushConnector(KVConnectorBase_V1):
         assert vllm_config.kv_transfer_config is not None
         self.cfg = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config)
         if self.cfg.gil_switch_interval_us:
-            import sys
-
             sys.setswitchinterval(self.cfg.gil_switch_interval_us / 1e6)
             get_logger("kvpush.connector").info("gil_switch_interval_set", us=self.cfg.gil_switch_interval_us)
         model_id = self.cfg.model_id or default_model_id(vllm_config.model_config.model)

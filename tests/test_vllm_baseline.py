@@ -93,10 +93,10 @@ def test_one_rank_server_runs_its_model_in_the_engine_process(plain_vllm_server:
     would busy-wait next to the model: the tree is the API server and its EngineCore only."""
     import psutil
 
+    if plain_vllm_server.executor == "mp":
+        pytest.skip("KVPUSH_VLLM_EXECUTOR=mp: the worker runs in its own process")
     assert plain_vllm_server.pid is not None
     tree = psutil.Process(plain_vllm_server.pid).children(recursive=True)
     names = sorted(" ".join(p.cmdline()) for p in tree)  # vLLM titles them VLLM::EngineCore, VLLM::Worker…
-    if plain_vllm_server.executor == "mp":
-        pytest.skip("KVPUSH_VLLM_EXECUTOR=mp: the worker runs in its own process")
     assert not any("Worker" in n for n in names), names
     assert any("EngineCore" in n for n in names), names

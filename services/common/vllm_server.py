@@ -322,10 +322,7 @@ class VllmServer:
 
 def default_executor() -> str:
     """``$KVPUSH_VLLM_EXECUTOR``, else ``uni``. Raises ValueError for an unknown name."""
-    name = os.environ.get(EXECUTOR_ENV, "uni")
-    if name not in EXECUTORS:
-        raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")
-    return name
+    return _resolve_executor(None, ())
 
 
 def _flag_value(args: Sequence[str], *names: str) -> str | None:
@@ -341,10 +338,10 @@ def _flag_value(args: Sequence[str], *names: str) -> str | None:
 
 
 def _resolve_executor(executor: str | None, extra_args: Sequence[str]) -> str:
-    """``executor``, else ``default_executor()``; ``mp`` whatever was asked when the server runs more
+    """``executor``, else ``$KVPUSH_VLLM_EXECUTOR``, else ``uni``; ``mp`` whatever was asked when the server runs more
     than one tensor-parallel rank, and what ``--distributed-executor-backend`` says when the caller
     passes it. Raises ValueError for an unknown name."""
-    name = executor if executor is not None else default_executor()
+    name = executor if executor is not None else os.environ.get(EXECUTOR_ENV, "uni")
     if name not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")
     tp = _flag_value(extra_args, "--tensor-parallel-size", "-tp")
