@@ -94,8 +94,11 @@ class KvPushConnector(KVConnectorBase_V1):
         return self._sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        done = connector_output.finished_recving if self.cfg.role == "decode" else connector_output.finished_sending
-        self._sched.update_connector_output(set(done or ()))
+        if self.cfg.role == "decode":
+            failed = getattr(connector_output, "failed_recving", None)
+            self._sched.update_connector_output(set(connector_output.finished_recving or ()), set(failed or ()))
+        else:
+            self._sched.update_connector_output(set(connector_output.finished_sending or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._trace is not None:

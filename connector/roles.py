@@ -30,8 +30,9 @@ class SchedulerHalf(Protocol):
     def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
         """What this step's workers must do (prefill: the transfers whose KV this step completes)."""
 
-    def update_connector_output(self, finished: set[str]) -> None:
-        """Requests the workers finished (decode: received; prefill: sent)."""
+    def update_connector_output(self, finished: set[str], failed: set[str] | None = None) -> None:
+        """Requests the workers finished (decode: received; prefill: sent); decode: `failed`, those whose
+        load failed."""
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
         """The request ended: whether its blocks stay held, and params for the response."""

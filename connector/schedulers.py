@@ -335,6 +335,15 @@ class DecodeScheduler:
         """Decode workers need the first-token hand-off's bookkeeping, and whether the step runs
         a forward."""
         meta = PushMetadata(forward_tokens=scheduler_output.total_num_scheduled_tokens)
+        if self._want_token:
+            for new in scheduler_output.scheduled_new_reqs:
+                if new.req_id in self._want_token:
+                    # Never expected: the worker holds its KV release until the token is appended.
+                    log.error(
+                        "first_token_missing_at_schedule",
+                        request_id=new.req_id,
+                        transfer_id=self._want_token[new.req_id][0],
+                    )
         if self._want_token or self._tokens or self._token_inbox:
             self._take_tokens(time.monotonic())
         if self._new_waiting:
@@ -350,8 +359,11 @@ class DecodeScheduler:
                     meta.advance_sampler.append(new.req_id)
         return meta
 
-    def update_connector_output(self, finished_recving: set[str]) -> None:
+    def update_connector_output(self, finished_recving: set[str], failed: set[str] | None = None) -> None:
         for rid in finished_recving:
+            if rid in self._want_token and (failed is None or rid not in failed):
+                # Never expected: a hand-off request's load is reported only once its token is in.
+                log.error("first_token_kv_released_early", request_id=rid, transfer_id=self._want_token[rid][0])
             self._cancelling.discard(rid)
             self._unfilled.pop(rid, None)
             reserved = self._reserved.get(rid)
@@ -551,7 +563,7 @@ class PrefillScheduler:
         if self._transfers.get(transfer_id, ("",))[0] == rid:
             del self._transfers[transfer_id]
 
-    def update_connector_output(self, finished_sending: set[str]) -> None:
+    def update_connector_output(self, finished_sending: set[str], failed: set[str] | None = None) -> None:
         self._held -= finished_sending
         for rid in finished_sending:
             self._push_bytes.pop(rid, None)
