@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copy
 import json
 import math
 import os
@@ -131,6 +130,10 @@ class Sample:
     sent: float  # monotonic seconds
     ttft: float = math.nan
     tpot: float = math.nan
+    # The gap between the first and the second token, and the mean TPOT after the second: with the
+    # first-token hand-off, decode's part of the hand-off moves from TTFT into that first gap.
+    gap2: float = math.nan
+    tpot_rest: float = math.nan
     done: float = math.nan
     tokens: int = 0
     error: str = ""
@@ -160,6 +163,8 @@ class PointResult:
     # Per request, in arrival order (NaN: failed; TPOT NaN also for one-token outputs): goodput input.
     req_ttft_ms: list[float] = field(default_factory=list)
     req_tpot_ms: list[float] = field(default_factory=list)
+    gap2_p50_ms: float = math.nan  # first -> second token
+    tpot_rest_p50_ms: float = math.nan  # mean TPOT from the second token on
     # Filled by ``apply_slo`` once the SLOs are known (NaN: no SLO, e.g. no ``single`` run).
     slo_ttft_ms: float = math.nan
     slo_tpot_ms: float = math.nan
@@ -195,6 +200,8 @@ def summarize(setup: str, point: Point, samples: list[Sample]) -> PointResult:
         max_tokens=point.max_tokens,
         req_ttft_ms=[s.ttft * 1e3 if s.ok else math.nan for s in samples],
         req_tpot_ms=[s.tpot * 1e3 if s.ok else math.nan for s in samples],
+        gap2_p50_ms=_pct([s.gap2 for s in good], 50),
+        tpot_rest_p50_ms=_pct([s.tpot_rest for s in good], 50),
     )
 
 
@@ -451,14 +458,20 @@ class Client:
     ) -> None:
         """Streaming completion; fills TTFT (from ``s.sent``), TPOT and ``done`` into ``s``."""
         times = await self.token_times(url, prompt, max_tokens, params, rid)
-        record(s, times[0] if times else 0.0, times[-1] if times else 0.0, len(times), max_tokens)
+        record(s, times[0] if times else 0.0, times[-1] if times else 0.0, len(times), max_tokens, _second(times))
 
 
-def record(s: Sample, first: float, last: float, n: int, want: int) -> None:
+def _second(times: Sequence[float]) -> float:
+    return times[1] if len(times) > 1 else math.nan
+
+
+def record(s: Sample, first: float, last: float, n: int, want: int, second: float = math.nan) -> None:
     if n != want:
         raise RuntimeError(f"got {n} tokens, expected {want}")
     s.ttft = first - s.sent
     s.tpot = (last - first) / (n - 1) if n > 1 else math.nan
+    s.gap2 = second - first
+    s.tpot_rest = (last - second) / (n - 2) if n > 2 else math.nan
     s.done = time.monotonic()
     s.tokens = n
     s.ok = True
@@ -638,18 +651,16 @@ def ours_ft_proxy(c: Client, stub: Any) -> Proxy:
             if not a.first_token_from_prefill:
                 raise RuntimeError("the scheduler did not grant the first-token hand-off")
             task = asyncio.create_task(prefill())
-            rest = copy.copy(s)
             try:
                 params = MessageToDict(a.decode_kv_transfer_params)
-                await c.stream(a.decode.http_endpoint, prompt, max_tokens - 1, params, rid, rest)
+                decoded = await c.token_times(a.decode.http_endpoint, prompt, max_tokens - 1, params, rid)
                 await task
             finally:
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
-            first_d = rest.sent + rest.ttft
-            last_d = first_d + (rest.tpot * (rest.tokens - 1) if rest.tokens > 1 else 0.0)
-            record(s, min(first_at[0], first_d), last_d, rest.tokens + 1, max_tokens)
+            times = sorted([first_at[0], *decoded])
+            record(s, times[0], times[-1], len(times), max_tokens, _second(times))
             outcome = pb.OUTCOME_OK
         finally:
             await _release(stub, a, outcome)
@@ -662,16 +673,12 @@ def grpc_proxy(stub: Any) -> Proxy:
 
     async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
         req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        first = last = 0.0
-        n = 0
+        times: list[float] = []
         async for msg in stub.Generate(req, timeout=120):
             s.transfer_id = s.transfer_id or msg.transfer_id
             if msg.token_ids:
-                now = time.monotonic()
-                first = first or now
-                last = now
-                n += len(msg.token_ids)
-        record(s, first, last, n, max_tokens)
+                times.extend([time.monotonic()] * len(msg.token_ids))
+        record(s, times[0] if times else 0.0, times[-1] if times else 0.0, len(times), max_tokens, _second(times))
 
     return run
 
@@ -1329,9 +1336,10 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         "### Latency and throughput per setup",
         "",
-        "| prompt | out | rate /s | n | setup | ok | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | req/s | "
-        "SLO met | goodput req/s | hand-off p50 ms | load1 / foreign vLLMs |",
-        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| prompt | out | rate /s | n | setup | ok | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
+        "1st → 2nd token p50 ms | TPOT from 2nd p50 ms | req/s | SLO met | goodput req/s | hand-off p50 ms | "
+        "load1 / foreign vLLMs |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     dmap = {(d["prompt_len"], d["max_tokens"], d["rate"]): d for d in res["derived"]}
     keys = sorted(
@@ -1359,7 +1367,8 @@ def markdown(res: dict[str, Any]) -> str:
             lines.append(
                 f"| {length} | {r.get('max_tokens')} | {rate:g} | {r['requests']} | {name} | {r['ok']} | "
                 f"{_f(r['ttft_p50_ms'])} | {_f(r['ttft_p99_ms'])} | {_f(r['tpot_p50_ms'], 2)} | "
-                f"{_f(r['tpot_p99_ms'], 2)} | {_f(r['throughput_rps'], 2)}{sus} | {met} | "
+                f"{_f(r['tpot_p99_ms'], 2)} | {_f(r.get('gap2_p50_ms'), 2)} | {_f(r.get('tpot_rest_p50_ms'), 2)} | "
+                f"{_f(r['throughput_rps'], 2)}{sus} | {met} | "
                 f"{_f(r.get('goodput_rps'), 2)} | {_f(handoff)} | {_f(r.get('load1'))} / {r.get('foreign_vllm', 0)} |"
             )
     lines += [

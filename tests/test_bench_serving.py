@@ -100,6 +100,18 @@ def test_summarize_keeps_per_request_times_in_ms() -> None:
     assert r.req_tpot_ms[0] == pytest.approx(20.0)
 
 
+def test_record_splits_the_first_gap_from_the_rest() -> None:
+    s = Sample(ok=False, sent=1.0)
+    sv.record(s, 1.1, 1.5, 5, 5, second=1.2)  # tokens at 1.1, 1.2, then three more up to 1.5
+    assert s.ok and s.ttft == pytest.approx(0.1) and s.tpot == pytest.approx(0.1)
+    assert s.gap2 == pytest.approx(0.1) and s.tpot_rest == pytest.approx(0.1)
+    one = Sample(ok=False, sent=0.0)
+    sv.record(one, 0.1, 0.1, 1, 1)
+    assert math.isnan(one.gap2) and math.isnan(one.tpot_rest) and math.isnan(one.tpot)
+    with pytest.raises(RuntimeError):
+        sv.record(Sample(ok=False, sent=0.0), 0.1, 0.2, 2, 3)
+
+
 def _sweep() -> dict[str, list[PointResult]]:
     """single meets the SLO at 1/s only; two_plain at 1 and 2/s, and by chance again at 8/s."""
     fast, slow = [0.1] * 10, [0.1] * 5 + [2.0] * 5
@@ -262,6 +274,48 @@ def test_ours_and_grpc_proxies_pass_the_output_length() -> None:
     g = Sample(ok=False, sent=0.0)
     asyncio.run(sv.grpc_proxy(stub)([1, 2], 16, g))
     assert stub.generated == [16] and g.ok and g.tokens == 16 and g.transfer_id == "t2"
+    assert g.gap2 >= 0 and not math.isnan(g.tpot_rest)
+
+
+def test_ours_ft_proxy_puts_prefills_token_first_and_times_the_gap_to_decodes() -> None:
+    from google.protobuf.struct_pb2 import Struct
+
+    from kvpush.v1 import kvpush_pb2 as pb
+
+    class Client:
+        def __init__(self) -> None:
+            self.decode_max_tokens: list[int] = []
+
+        async def once(self, url: str, prompt: list[int], max_tokens: int, params: Any, rid: str) -> Any:
+            assert max_tokens == 1
+            return {"choices": [{"token_ids": [7]}]}
+
+        async def token_times(self, url: str, prompt: list[int], max_tokens: int, params: Any, rid: str) -> Any:
+            self.decode_max_tokens.append(max_tokens)
+            await asyncio.sleep(0.02)  # decode's first token comes after prefill's answer
+            return [1e12 + i for i in range(max_tokens)]  # far later, 1 s apart
+
+    class Stub:
+        async def Assign(self, req: Any, timeout: float) -> Any:
+            assert req.first_token_from_prefill
+            return pb.Assignment(
+                transfer_id="t",
+                first_token_from_prefill=True,
+                prefill=pb.InstanceInfo(http_endpoint="http://p"),
+                decode=pb.InstanceInfo(http_endpoint="http://d"),
+                prefill_kv_transfer_params=Struct(),
+                decode_kv_transfer_params=Struct(),
+            )
+
+        async def Release(self, req: Any, timeout: float) -> Any:
+            return pb.ReleaseResponse()
+
+    c = Client()
+    s = Sample(ok=False, sent=0.0)
+    asyncio.run(sv.ours_ft_proxy(c, Stub())([1, 2], 4, s))  # type: ignore[arg-type]
+    assert c.decode_max_tokens == [3] and s.ok and s.tokens == 4
+    assert s.gap2 > 1e6  # prefill's token (now) to decode's first (far later)
+    assert s.tpot_rest == pytest.approx(1.0)  # decode's own tokens, 1 s apart
 
 
 # ----- the sweep and the flags ------------------------------------------------------------------------
