@@ -63,6 +63,9 @@ class PushMetadata(KVConnectorMetadata):
     first_token_delivered: list[str] = field(default_factory=list)
     first_token_abandoned: list[str] = field(default_factory=list)  # ended before their token came
     advance_sampler: list[str] = field(default_factory=list)
+    # Decode: requests whose load the workers report failed at once (never reserved: a hand-off leg
+    # whose transfer id another live request holds; docs/first_token.md).
+    fail_loads: list[str] = field(default_factory=list)
     # Decode: tokens this step's forward computes (0: a step without a forward), so the decode
     # rank's NIXL poller naps longer while the engine decodes on its core (cadence.py).
     forward_tokens: int = 0

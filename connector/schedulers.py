@@ -137,6 +137,10 @@ class DecodeScheduler:
         self._delivered: list[str] = []  # tokens appended this step
         self._advance: set[str] = set()  # seeded requests to advance when they are first scheduled
         self._abandoned: list[str] = []  # ended while waiting for their token
+        # Hand-off requests decode cannot serve (their transfer id is another live request's): served
+        # locally they would repeat the first token the frontend streamed, so their load is failed.
+        self._refused_handoff: set[str] = set()
+        self._fail_loads: list[str] = []
 
     # ----- start-up -----------------------------------------------------------------------
 
@@ -270,9 +274,16 @@ class DecodeScheduler:
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.agent is None or request.request_id in self._tried or not isinstance(self.legs.of(request), DecodeLeg):
             return 0, False  # not ours, already tried, or no agent yet: compute locally
-        if self._is_duplicate(request):
-            return 0, False  # another live request holds its transfer id: compute locally
         n = request.num_prompt_tokens - num_computed_tokens
+        if self._is_duplicate(request):
+            # Another live request holds its transfer id: compute locally, unless it is a hand-off
+            # leg (the frontend streams prefill's token and asked for one token less): then it
+            # fails, through a load that is reported failed at once.
+            leg = self.legs.of(request)
+            if isinstance(leg, DecodeLeg) and leg.first_token and n > 0:
+                self._refused_handoff.add(request.request_id)
+                return n, True
+            return 0, False
         return (n, True) if n > 0 else (0, False)
 
     def _is_duplicate(self, request: Any) -> bool:
@@ -293,6 +304,19 @@ class DecodeScheduler:
         rid = request.request_id
         leg = self.legs.of(request)
         if not isinstance(leg, DecodeLeg) or rid in self._tried or self.agent is None:
+            return
+        if rid in self._refused_handoff:
+            self._refused_handoff.discard(rid)
+            if num_external_tokens:
+                self._fail_loads.append(rid)
+                log.warning(
+                    "first_token_handoff_refused",
+                    transfer_id=leg.transfer_id,
+                    request_id=rid,
+                    reason="another live request holds its transfer id",
+                )
+            else:  # vLLM computes it locally after all: nothing here can stop that
+                log.error("first_token_handoff_computed_locally", transfer_id=leg.transfer_id, request_id=rid)
             return
         if num_external_tokens == 0 and self._is_duplicate(request):
             return  # computed locally; releasing the prefill KV would take it from the holder
@@ -352,6 +376,8 @@ class DecodeScheduler:
             meta.first_token_delivered, self._delivered = self._delivered, []
         if self._abandoned:
             meta.first_token_abandoned, self._abandoned = self._abandoned, []
+        if self._fail_loads:
+            meta.fail_loads, self._fail_loads = self._fail_loads, []
         if self._advance:
             for new in scheduler_output.scheduled_new_reqs:
                 if new.req_id in self._advance:
@@ -384,6 +410,7 @@ class DecodeScheduler:
         self._tried.discard(rid)
         self._duplicates.discard(rid)
         self._advance.discard(rid)
+        self._refused_handoff.discard(rid)
         if self._want_token.pop(rid, None) is not None:
             self._abandoned.append(rid)  # its worker stops waiting for the token
             if tid is not None:

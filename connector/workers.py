@@ -60,6 +60,7 @@ class DecodeWorker:
         self._needs_token: set[str] = set()
         self._held: dict[str, tuple[Released, float]] = {}
         self._ready: list[Released] = []
+        self._fail_now: list[str] = []  # loads to report failed at once (PushMetadata.fail_loads)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         rank, tp, desc, engine = _describe(self.cfg, kv_caches, self.model_id, self.incarnation, "d")
@@ -109,6 +110,7 @@ class DecodeWorker:
             held = self._held.pop(rid, None)
             if held is not None:
                 self._ready.append(held[0])
+        self._fail_now.extend(meta.fail_loads)
         for rid in meta.advance_sampler:
             if not sampler_state.advance_one_step(rid):
                 log.warning("sampler_not_advanced", request_id=rid)
@@ -118,6 +120,10 @@ class DecodeWorker:
         released OK also in failed_recving. A request waiting for its first token (hand-off) is
         reported once its token was appended, or as failed after ``first_token_wait_s``."""
         out = TransferResults()
+        if self._fail_now:
+            out.finished_recving.update(self._fail_now)
+            out.failed_recving.update(self._fail_now)
+            self._fail_now.clear()
         if self.rank is None:
             return out
         now = time.monotonic()

@@ -109,3 +109,43 @@ def test_seeded_sampling_equals_single_instance(cluster: PDCluster, temperature:
         assert got == want, f"seed {seed}, prompt of {len(prompt)} tokens"
         outputs.add(tuple(got))
     assert len(outputs) > 1
+
+
+def test_a_duplicate_handoff_decode_leg_fails_and_never_repeats_the_first_token(cluster: PDCluster) -> None:
+    """The same hand-off decode leg sent twice (a frontend's retry, a replay) while the first is
+    live: one of the two fails at once (its load is reported failed) instead of being computed
+    locally, which would stream decode's own first token after the one the frontend streamed from
+    prefill; the other continues from prefill's token, exactly as one instance."""
+    from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+
+    from google.protobuf.json_format import MessageToDict
+
+    from kvpush.services.common.vllm_server import VllmServerError, complete
+    from kvpush.v1 import kvpush_pb2 as pb
+
+    assert cluster.baseline is not None
+    prompt = _random_prompt(random.Random(99), 1000)
+    want = _tokens(_complete(cluster.baseline, prompt, MAX_TOKENS))
+    a = cluster.stub.Assign(
+        pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=MAX_TOKENS, first_token_from_prefill=True), timeout=10
+    )
+    assert a.first_token_from_prefill
+    decode_params = MessageToDict(a.decode_kv_transfer_params)
+    refused_before = cluster.decode.log_path.read_text(errors="replace").count("first_token_handoff_refused")
+
+    def decode_leg() -> list[int]:
+        return complete(a.decode.http_endpoint, prompt, MAX_TOKENS - 1, decode_params, timeout=60)[0]
+
+    with ThreadPoolExecutor(2) as pool:
+        legs = {pool.submit(decode_leg), pool.submit(decode_leg)}
+        # Nothing is pushed before the prefill leg: the one that ends now is the refused duplicate.
+        done, live = wait(legs, timeout=30, return_when=FIRST_COMPLETED)
+        assert len(done) == 1 and len(live) == 1, "neither decode leg ended without its KV"
+        with pytest.raises(VllmServerError):
+            done.pop().result()
+        first, _ = complete(a.prefill.http_endpoint, prompt, 1, MessageToDict(a.prefill_kv_transfer_params))
+        rest = live.pop().result(timeout=60)
+    cluster.stub.Release(pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK), timeout=10)
+    assert first + rest == want
+    log = cluster.decode.log_path.read_text(errors="replace")
+    assert log.count("first_token_handoff_refused") == refused_before + 1

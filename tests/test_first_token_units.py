@@ -251,6 +251,41 @@ def test_a_decode_that_cannot_continue_from_the_token_refuses_the_leg(kw: dict[s
     assert agent.cancelled == ["t"] and _step(s).awaiting_first_token == []
 
 
+def test_a_duplicate_handoff_leg_fails_instead_of_repeating_the_token() -> None:
+    """A second live request with the same hand-off leg (a frontend's retry, a replay) is never
+    computed locally: it would stream its own first token after the one the frontend streamed.
+    Its load is reported failed at once; the first request keeps its transfer and its token."""
+    s, agent = _decode()
+    first, dup = _request("r1", list(range(3, 40)), _leg()), _request("r2", list(range(3, 40)), _leg())
+    assert s.get_num_new_matched_tokens(first, 0) == (37, True)
+    s.update_state_after_alloc(first, _Blocks(), 37)
+    assert s.get_num_new_matched_tokens(dup, 0) == (37, True)  # an async load, never a local compute
+    s.update_state_after_alloc(dup, _Blocks(), 37)
+    meta = _step(s)
+    assert meta.fail_loads == ["r2"] and meta.awaiting_first_token == ["r1"]
+    assert s._holders == {"t": "r1"} and list(agent.prompts) == ["t"]  # the duplicate reserved nothing
+    w, _ = _worker()
+    w.wait_for_save(meta)
+    out = w.transfer_results()
+    assert out.finished_recving == {"r2"} and out.failed_recving == {"r2"}
+    assert _step(s).fail_loads == []  # once
+    s.request_finished(dup)
+    s._first_tokens([_token(token=7)])
+    assert _step(s).first_token_delivered == ["r1"] and first.prompt_token_ids[-1] == 7
+    assert dup.prompt_token_ids[-1] != 7
+
+
+def test_a_duplicate_leg_without_the_handoff_is_still_computed_locally() -> None:
+    s, _ = _decode()
+    first = _request("r1", list(range(3, 40)), _leg(first_token=False))
+    dup = _request("r2", list(range(3, 40)), _leg(first_token=False))
+    s.get_num_new_matched_tokens(first, 0)
+    s.update_state_after_alloc(first, _Blocks(), 37)
+    assert s.get_num_new_matched_tokens(dup, 0) == (0, False)
+    s.update_state_after_alloc(dup, _Blocks(), 0)
+    assert _step(s).fail_loads == []
+
+
 def test_legs_without_the_handoff_wait_for_nothing() -> None:
     s, _ = _decode()
     r = _request("r", list(range(3, 40)), _leg(first_token=False))
