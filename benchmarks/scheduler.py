@@ -479,10 +479,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             await bench.open_streams(args.streams, args.max_batch, args.max_in_flight, bool(args.compact))
             await bench.stream_open_loop(min(stream_rates or [1000.0]), 1.0)  # warm-up
             for rate in stream_rates:
+                gc_before = _gc_pauses(metrics_port)
                 results.append(await _with_cpu(bench.stream_open_loop(rate, args.seconds), proc.pid))
+                results[-1]["server_gc"] = _gc_delta(gc_before, _gc_pauses(metrics_port))
                 results[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
             if args.stream_workers:
+                gc_before = _gc_pauses(metrics_port)
                 results.append(await _with_cpu(bench.stream_closed_loop(args.stream_workers, args.seconds), proc.pid))
+                results[-1]["server_gc"] = _gc_delta(gc_before, _gc_pauses(metrics_port))
                 results[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
             await bench.close_streams()
         await bench.close()
@@ -559,6 +563,36 @@ def _server_histogram(port: int) -> dict[float, float]:
     return out
 
 
+def _gc_pauses(port: int) -> dict[str, tuple[float, float]]:
+    """The scheduler's garbage-collection pauses so far: generation -> (count, seconds)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    count: dict[str, float] = {}
+    total: dict[str, float] = {}
+    for line in text.splitlines():
+        for suffix, into in (("_count", count), ("_sum", total)):
+            if line.startswith(f"kvpush_scheduler_gc_pause_seconds{suffix}{{"):
+                gen = line.split('generation="', 1)[1].split('"', 1)[0]
+                into[gen] = float(line.rsplit(" ", 1)[1])
+    return {g: (count.get(g, 0.0), total.get(g, 0.0)) for g in ("0", "1", "2")}
+
+
+def _gc_delta(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, float]:
+    """Collections and their total pause (ms) per generation during one phase."""
+    out: dict[str, float] = {}
+    for g in ("0", "1", "2"):
+        out[f"gen{g}_collections"] = after[g][0] - before[g][0]
+        out[f"gen{g}_pause_ms"] = (after[g][1] - before[g][1]) * 1e3
+    return out
+
+
+def _gc_cell(r: dict[str, Any]) -> str:
+    gc_ = r.get("server_gc")
+    if not gc_:
+        return "–"
+    young = gc_["gen0_pause_ms"] + gc_["gen1_pause_ms"]
+    return f"{gc_['gen2_collections']:.0f} / {gc_['gen2_pause_ms']:.1f} ms; {young:.1f} ms"
+
+
 def _histogram_delta(before: dict[float, float], after: dict[float, float]) -> dict[str, float]:
     total = after[float("inf")] - before.get(float("inf"), 0.0)
     res = {"assigns": total}
@@ -579,8 +613,8 @@ def _table(report: dict[str, Any]) -> str:
     rows = [
         "| phase | offered req/s | achieved req/s | completed | errors | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms "
         "| server-side ≤ 0.25 ms | server-side ≤ 1 ms | server CPU µs/pair | client CPU µs/pair | batches "
-        "| load avg after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server GC: full collections / their pause; younger ones' pause | load avg after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
         offered = f"{r['offered_rps']:.0f}" if r["offered_rps"] else "max"
@@ -589,7 +623,7 @@ def _table(report: dict[str, Any]) -> str:
             f"{r['p50_ms']:.3f} | {r['p90_ms']:.3f} | {r['p99_ms']:.3f} | {r['p999_ms']:.3f} | {r['max_ms']:.3f} | "
             f"{_share(r, 'share_le_0.25ms')} | {_share(r, 'share_le_1ms')} | "
             f"{_num(r, 'server_cpu_us_per_pair')} | {_num(r, 'client_cpu_us_per_pair')} | {_num(r, 'batches')} | "
-            f"{r.get('loadavg_1m_after', '–')} |"
+            f"{_gc_cell(r)} | {r.get('loadavg_1m_after', '–')} |"
         )
     host = report["host"]
     rows.append(

@@ -204,6 +204,7 @@ async def serve(args: argparse.Namespace) -> None:
     # Everything allocated so far lives for the whole process: keep it out of the collector's full
     # passes, whose pauses would land in Assign's tail latency.
     gc.freeze()
+    server.metrics.gc_pauses.install()
     if args.metrics_port:
         server.metrics.serve(args.metrics_port, args.metrics_addr)
         log.info("metrics_started", port=args.metrics_port)

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpush.services.common.gc_pauses import GcPauses
 from kvpush.services.scheduler.model import Role
 from kvpush.services.scheduler.registry import Registry
 
@@ -102,6 +103,8 @@ class Metrics:
             registry=r,
         )
         r.register(_RegistryCollector(registry))
+        # Installed by the scheduler's main (one per process), not per server.
+        self.gc_pauses = GcPauses("kvpush_scheduler", r)
 
     def serve(self, port: int, addr: str = "0.0.0.0") -> None:
         start_http_server(port, addr=addr, registry=self.registry)
