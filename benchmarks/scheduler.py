@@ -647,7 +647,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stream-workers", type=int, default=256, help="AssignStream closed-loop callers (0: skip)")
     p.add_argument("--streams", type=int, default=1, help="AssignStream streams (one client each)")
     p.add_argument("--max-batch", type=int, default=256, help="assigns per AssignStream batch at most")
-    p.add_argument("--max-in-flight", type=int, default=1, help="unanswered batches per stream at most")
+    p.add_argument("--max-in-flight", type=int, default=2, help="unanswered batches per stream at most")
     p.add_argument(
         "--compact",
         type=int,

@@ -224,6 +224,32 @@ def test_client_coalesces_concurrent_assigns_and_releases() -> None:
     run(body())
 
 
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_client_keeps_at_most_max_in_flight_batches_unanswered(in_flight: int) -> None:
+    async def body() -> None:
+        async with scheduler(**LEASE) as (server, stub, _):
+            await FakeInstance(stub, info("d0", blocks=1 << 20)).start()
+            await FakeInstance(stub, info("p0", pb.ROLE_PREFILL)).start()
+            async with AssignStreamClient(stub, max_batch=1, max_in_flight=in_flight) as client:
+                unanswered: list[int] = []
+                answer = client._answer
+
+                def counting(response: pb.AssignStreamResponse) -> None:
+                    unanswered.append(len(client._sent))
+                    answer(response)
+
+                client._answer = counting  # type: ignore[method-assign]
+                got = await asyncio.gather(*(client.assign(pb.AssignRequest(prompt_tokens=16)) for _ in range(60)))
+                assert len({a.transfer_id for a in got}) == 60
+                assert client.batches == 60 and len(unanswered) == 60  # max_batch=1: one batch per assign
+                assert max(unanswered) <= in_flight
+                for a in got:
+                    client.release(a.transfer_id, a.epoch, pb.OUTCOME_OK)
+            assert not server.registry.open
+
+    run(body())
+
+
 def test_client_fails_waiters_when_the_stream_breaks() -> None:
     async def body() -> None:
         async with scheduler(**LEASE) as (server, stub, _):

@@ -63,7 +63,7 @@ class AssignStreamClient:
         stub: pb_grpc.SchedulerStub,
         *,
         max_batch: int = limits.MAX_ASSIGNS_PER_BATCH,
-        max_in_flight: int = 1,
+        max_in_flight: int = 2,
         max_wait_ms: int = 0,
         compact: bool = False,
     ) -> None:
