@@ -118,7 +118,8 @@ class DecodeWorker:
     def transfer_results(self, finished_req_ids: set[str] | None = None) -> TransferResults:
         """Requests the rank's barriers released (finished_recving), each exactly once; those not
         released OK also in failed_recving. A request waiting for its first token (hand-off) is
-        reported once its token was appended, or as failed after ``first_token_wait_s``."""
+        reported once its token was appended, or as failed after ``first_token_wait_s``; a load
+        the scheduler half refused (``PushMetadata.fail_loads``) is reported failed at once."""
         out = TransferResults()
         if self._fail_now:
             out.finished_recving.update(self._fail_now)
