@@ -322,6 +322,10 @@ class DecodeScheduler:
             return  # computed locally; releasing the prefill KV would take it from the holder
         self._tried.add(rid)
         if num_external_tokens == 0:
+            if leg.first_token:
+                # vLLM loads nothing for it (e.g. prompt logprobs asked: vLLM skips every cached and
+                # external prefix), so it samples its own first token after the frontend's.
+                log.error("first_token_handoff_computed_locally", transfer_id=leg.transfer_id, request_id=rid)
             self.agent.release_prefill(leg.transfer_id, leg, "decode holds the whole prompt")
             return
         new = blocks.get_unhashed_block_ids_all_groups()

@@ -286,6 +286,25 @@ def test_a_duplicate_leg_without_the_handoff_is_still_computed_locally() -> None
     assert _step(s).fail_loads == []
 
 
+def test_a_handoff_request_vllm_loads_nothing_for_is_logged_as_an_error() -> None:
+    """vLLM may load nothing for a request (prompt logprobs asked): decode then samples its own first
+    token; nothing here can stop it, but it is never silent."""
+    from structlog.testing import capture_logs
+
+    s, _ = _decode()
+    s.agent.release_prefill = lambda *a: None  # type: ignore[union-attr]
+    r = _request("r", list(range(3, 40)), _leg())
+    s.get_num_new_matched_tokens(r, 0)
+    with capture_logs() as logs:
+        s.update_state_after_alloc(r, _Blocks(), 0)
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["first_token_handoff_computed_locally"]
+    plain = _request("p", list(range(3, 40)), _leg("t2", first_token=False))
+    s.get_num_new_matched_tokens(plain, 0)
+    with capture_logs() as logs:
+        s.update_state_after_alloc(plain, _Blocks(), 0)
+    assert not [e for e in logs if e["log_level"] == "error"]
+
+
 def test_legs_without_the_handoff_wait_for_nothing() -> None:
     s, _ = _decode()
     r = _request("r", list(range(3, 40)), _leg(first_token=False))
