@@ -95,8 +95,9 @@ class KvPushConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.cfg.role == "decode":
-            failed = getattr(connector_output, "failed_recving", None)
-            self._sched.update_connector_output(set(connector_output.finished_recving or ()), set(failed or ()))
+            self._sched.update_connector_output(
+                set(connector_output.finished_recving or ()), set(connector_output.failed_recving or ())
+            )
         else:
             self._sched.update_connector_output(set(connector_output.finished_sending or ()))
 

@@ -137,9 +137,8 @@ class DecodeScheduler:
         self._delivered: list[str] = []  # tokens appended this step
         self._advance: set[str] = set()  # seeded requests to advance when they are first scheduled
         self._abandoned: list[str] = []  # ended while waiting for their token
-        # Hand-off requests decode cannot serve (their transfer id is another live request's): served
-        # locally they would repeat the first token the frontend streamed, so their load is failed.
-        self._refused_handoff: set[str] = set()
+        # Duplicates of hand-off legs, claimed as loads that are reported failed at once: served
+        # locally they would repeat the first token the frontend streamed.
         self._fail_loads: list[str] = []
 
     # ----- start-up -----------------------------------------------------------------------
@@ -280,10 +279,7 @@ class DecodeScheduler:
             # leg (the frontend streams prefill's token and asked for one token less): then it
             # fails, through a load that is reported failed at once.
             leg = self.legs.of(request)
-            if isinstance(leg, DecodeLeg) and leg.first_token and n > 0:
-                self._refused_handoff.add(request.request_id)
-                return n, True
-            return 0, False
+            return (n, True) if isinstance(leg, DecodeLeg) and leg.first_token and n > 0 else (0, False)
         return (n, True) if n > 0 else (0, False)
 
     def _is_duplicate(self, request: Any) -> bool:
@@ -305,8 +301,7 @@ class DecodeScheduler:
         leg = self.legs.of(request)
         if not isinstance(leg, DecodeLeg) or rid in self._tried or self.agent is None:
             return
-        if rid in self._refused_handoff:
-            self._refused_handoff.discard(rid)
+        if rid in self._duplicates and leg.first_token:  # claimed as a load to fail (get_num_new_matched_tokens)
             if num_external_tokens:
                 self._fail_loads.append(rid)
                 log.warning(
@@ -414,7 +409,6 @@ class DecodeScheduler:
         self._tried.discard(rid)
         self._duplicates.discard(rid)
         self._advance.discard(rid)
-        self._refused_handoff.discard(rid)
         if self._want_token.pop(rid, None) is not None:
             self._abandoned.append(rid)  # its worker stops waiting for the token
             if tid is not None:
