@@ -40,6 +40,7 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
@@ -552,27 +553,30 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _samples(port: int, family: str) -> list[Any]:
+    """The samples of one metric family on the scheduler's /metrics page."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return [s for f in text_string_to_metric_families(text) if f.name == family for s in f.samples]
+
+
 def _server_histogram(port: int) -> dict[float, float]:
     """Cumulative bucket counts of the scheduler's own Assign handling time (seconds)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    out: dict[float, float] = {}
-    for line in text.splitlines():
-        if line.startswith("kvpush_scheduler_assign_seconds_bucket"):
-            le = line.split('le="', 1)[1].split('"', 1)[0]
-            out[float(le)] = float(line.rsplit(" ", 1)[1])
-    return out
+    return {
+        float(s.labels["le"]): s.value
+        for s in _samples(port, "kvpush_scheduler_assign_seconds")
+        if s.name.endswith("_bucket")
+    }
 
 
 def _gc_pauses(port: int) -> dict[str, tuple[float, float]]:
     """The scheduler's garbage-collection pauses so far: generation -> (count, seconds)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     count: dict[str, float] = {}
     total: dict[str, float] = {}
-    for line in text.splitlines():
-        for suffix, into in (("_count", count), ("_sum", total)):
-            if line.startswith(f"kvpush_scheduler_gc_pause_seconds{suffix}{{"):
-                gen = line.split('generation="', 1)[1].split('"', 1)[0]
-                into[gen] = float(line.rsplit(" ", 1)[1])
+    for s in _samples(port, "kvpush_scheduler_gc_pause_seconds"):
+        if s.name.endswith("_count"):
+            count[s.labels["generation"]] = s.value
+        elif s.name.endswith("_sum"):
+            total[s.labels["generation"]] = s.value
     return {g: (count.get(g, 0.0), total.get(g, 0.0)) for g in ("0", "1", "2")}
 
 
