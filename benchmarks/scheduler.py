@@ -398,10 +398,22 @@ async def _with_cpu(phase: Any, pid: int) -> dict[str, Any]:
     return res
 
 
-def _start(argv: list[str]) -> subprocess.Popen[bytes]:
+def _cpus(spec: str) -> set[int]:
+    """'0', '0,2' or '0-3' as a CPU set; '' for none."""
+    cpus: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def _start(argv: list[str], cpus: str = "") -> subprocess.Popen[bytes]:
     # This checkout first, then whatever the caller set (a checkout's own import path for kvpush).
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
-    return subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+    if cpus:
+        os.sched_setaffinity(proc.pid, _cpus(cpus))  # before it serves; its threads inherit it
+    return proc
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -454,7 +466,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             tls.cert_file,
             "--tls-key",
             tls.key_file,
-        ]
+        ],
+        args.server_cpus,
     )
     try:
         await _wait_serving(address, proc, certs)
@@ -501,7 +514,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         floors.append("stream")
     if args.baseline and floors:
         address = f"127.0.0.1:{_free_port()}"
-        proc = _start(["-m", "benchmarks.scheduler", "--serve-echo", address, "--echo-certs", str(certs)])
+        proc = _start(
+            ["-m", "benchmarks.scheduler", "--serve-echo", address, "--echo-certs", str(certs)], args.server_cpus
+        )
         try:
             await _wait_serving(address, proc, certs)
             bench = Bench(address, args.channels, certs)
@@ -543,6 +558,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_batch": args.max_batch,
             "max_in_flight": args.max_in_flight,
             "compact": bool(args.compact),
+            "server_cpus": args.server_cpus or "any",
+            "client_cpus": args.client_cpus or "any",
             "note": "client-observed Assign round trip (Releases not timed: 'inline' = sent by the same task "
             "right after its Assign, 'after' = all sent once the phase ends); scheduler in its own process, "
             "clients in this one, same host; CPU per Assign+Release pair from /proc and getrusage; the "
@@ -659,6 +676,8 @@ def main(argv: list[str] | None = None) -> None:
         default=1,
         help="AssignStream answers: 1 CompactAssignment (legs as JSON text), 0 Assignment (legs as Struct)",
     )
+    p.add_argument("--server-cpus", default="", help="CPUs the scheduler process runs on (e.g. '0'; default: any)")
+    p.add_argument("--client-cpus", default="", help="CPUs this client process runs on (e.g. '1'; default: any)")
     p.add_argument("--out", default=str(ROOT / "bench-results/scheduler.json"))
     p.add_argument(
         "--baseline",
@@ -673,6 +692,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.serve_echo:
         asyncio.run(_serve_echo(args.serve_echo, args.echo_certs))
         return
+    if args.client_cpus:
+        os.sched_setaffinity(0, _cpus(args.client_cpus))
     # Fewer, shorter collector pauses in the client: its own tail latency is part of what we measure.
     gc.freeze()
     gc.set_threshold(50_000, 50, 100)
