@@ -170,7 +170,10 @@ class PointResult:
     slo_tpot_ms: float = math.nan
     slo_met: int = 0  # requests that met both SLOs
     slo_attainment: float = math.nan  # slo_met / requests (failed requests count as missed)
-    goodput_rps: float = math.nan  # slo_met / duration_s
+    goodput_rps: float = math.nan  # slo_met / (duration_s * share)
+    # The share of the point's arrivals this setup got: 1 unless setups were interleaved in one
+    # arrival stream (``--interleave``), where throughput and goodput are scaled by 1 / share.
+    share: float = 1.0
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -178,11 +181,12 @@ def _pct(values: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(v), q)) * 1e3 if v else math.nan
 
 
-def summarize(setup: str, point: Point, samples: list[Sample]) -> PointResult:
+def summarize(setup: str, point: Point, samples: list[Sample], share: float = 1.0) -> PointResult:
+    """``share``: the fraction of the point's arrivals ``samples`` are (interleaved setups)."""
     good = [s for s in samples if s.ok]
     errors = sorted({s.error for s in samples if not s.ok})[:5]
     duration = (max(s.done for s in good) - min(s.sent for s in samples)) if good else math.nan
-    tput = len(good) / duration if good and duration > 0 else 0.0
+    tput = len(good) / (duration * share) if good and duration > 0 else 0.0
     return PointResult(
         setup=setup,
         prompt_len=point.prompt_len,
@@ -202,6 +206,7 @@ def summarize(setup: str, point: Point, samples: list[Sample]) -> PointResult:
         req_tpot_ms=[s.tpot * 1e3 if s.ok else math.nan for s in samples],
         gap2_p50_ms=_pct([s.gap2 for s in good], 50),
         tpot_rest_p50_ms=_pct([s.tpot_rest for s in good], 50),
+        share=share,
     )
 
 
@@ -277,7 +282,8 @@ def apply_slo(results: dict[str, list[PointResult]], slos: dict[int, Slo | None]
             if slo is None:
                 continue
             r.slo_ttft_ms, r.slo_tpot_ms = slo.ttft_ms, slo.tpot_ms
-            r.slo_met, r.slo_attainment, r.goodput_rps = goodput(r.req_ttft_ms, r.req_tpot_ms, r.duration_s, slo)
+            duration = r.duration_s * r.share
+            r.slo_met, r.slo_attainment, r.goodput_rps = goodput(r.req_ttft_ms, r.req_tpot_ms, duration, slo)
 
 
 def _judged_lengths(results: dict[str, list[PointResult]]) -> list[tuple[int, int]]:
@@ -1110,6 +1116,60 @@ async def measure(
     return res
 
 
+def interleaving(n: int, k: int, seed: int) -> list[int]:
+    """Which of ``k`` setups each of ``n`` arrivals goes to: every run of ``k`` consecutive
+    arrivals covers each setup once, in a seeded random order (no setup always first after a gap)."""
+    rng = np.random.default_rng([seed, n, k, 2])
+    return [int(x) for _ in range((n + k - 1) // k) for x in rng.permutation(k)][:n]
+
+
+def _router(proxies: Sequence[tuple[str, Proxy]], prompts: list[list[int]], which: list[int]) -> Proxy:
+    """A proxy that sends ``prompts[i]`` through setup ``which[i]``."""
+    setup_of = {id(p): proxies[j][1] for p, j in zip(prompts, which, strict=True)}
+
+    async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
+        await setup_of[id(prompt)](prompt, max_tokens, s)
+
+    return run
+
+
+async def measure_interleaved(
+    proxies: Sequence[tuple[str, Proxy]], pts: list[Point], h: Harness, logs: tuple[Path, Path]
+) -> dict[str, list[PointResult]]:
+    """Each point once, as one Poisson stream at the point's rate with ``k`` times its requests,
+    every arrival sent through one of the ``k`` setups (``interleaving``): the setups share the
+    same moments of the machine, so their ratios do not carry the drift between back-to-back runs.
+    Each setup's result holds its own ``requests`` samples (share 1/k)."""
+    a = h.args
+    k = len(proxies)
+    res: dict[str, list[PointResult]] = {name: [] for name, _ in proxies}
+    for pt in pts:
+        offs = (_size(logs[0]), _size(logs[1]))
+        t0 = time.monotonic()
+        total = replace(pt, requests=pt.requests * k)
+        prompts = prompts_for(total, h.model.vocab, a.seed)
+        which = interleaving(len(prompts), k, a.seed)
+        samples = await run_point(
+            _router(proxies, prompts, which), prompts, arrivals_for(total, a.seed), pt.max_tokens, a.timeout
+        )
+        await asyncio.sleep(0.3)  # let the log lines of the last transfers land
+        load1, foreign = os.getloadavg()[0], foreign_vllm_processes()
+        for j, (name, _) in enumerate(proxies):
+            mine = [s for i, s in enumerate(samples) if which[i] == j]
+            r = summarize(name, pt, mine, share=1.0 / k)
+            r.load1, r.foreign_vllm = load1, foreign
+            r.phases = phase_stats(logs[0], logs[1], *offs, mine)
+            res[name].append(r)
+            h.note(
+                f"{name:>12} L={pt.prompt_len} out={pt.max_tokens} rate={pt.rate:g}/s n={r.requests} "
+                f"(interleaved with {k - 1} more): ok={r.ok} TTFT p50={r.ttft_p50_ms:.1f} ms "
+                f"TPOT p50={r.tpot_p50_ms:.2f} ms{' ' + r.errors[0] if r.errors else ''}"
+                + (f" ({time.monotonic() - t0:.0f} s, load {load1:.1f})" if j == k - 1 else "")
+            )
+        await asyncio.sleep(a.settle_s)
+    return res
+
+
 async def warm_up(proxy: Proxy, h: Harness) -> None:
     """A few sequential then concurrent requests: handshakes, first-call allocations."""
     rng = np.random.default_rng(h.args.seed + 99)
@@ -1192,16 +1252,17 @@ async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[P
                 logs = (pair.prefill.log_path, pair.decode.log_path)
                 async with pair.scheduler.security().aio_channel(pair.scheduler.address) as ch:
                     stub = pb_grpc.SchedulerStub(ch)
-                    proxy = ours_proxy(client, stub)
-                    await warm_up(proxy, h)
-                    out["ours"] = await measure("ours", proxy, pts, h, logs)
-                    ft = ours_ft_proxy(client, stub)
-                    await warm_up(ft, h)
-                    out["ours_ft"] = await measure("ours_ft", ft, pts, h, logs)
+                    ours = [("ours", ours_proxy(client, stub)), ("ours_ft", ours_ft_proxy(client, stub))]
                     if not a.no_grpc:
-                        gen = grpc_proxy(stub)
-                        await warm_up(gen, h)
-                        out["ours_grpc"] = await measure("ours_grpc", gen, pts, h, logs)
+                        ours.append(("ours_grpc", grpc_proxy(stub)))
+                    if a.interleave:
+                        for _, proxy in ours:
+                            await warm_up(proxy, h)
+                        out.update(await measure_interleaved(ours, pts, h, logs))
+                    else:
+                        for name, proxy in ours:
+                            await warm_up(proxy, h)
+                            out[name] = await measure(name, proxy, pts, h, logs)
         return out
     finally:
         await client.close()
@@ -1330,7 +1391,13 @@ def markdown(res: dict[str, Any]) -> str:
         f"Model `{cfg['model_dir']}` ({cfg['model']['layers']} layers, {cfg['model']['kv_heads']} KV heads × "
         f"{cfg['model']['head_dim']}), {' and '.join(str(o) for o in outs)} output tokens, P on core "
         f"{cfg['prefill_core']}, D on core {cfg['decode_core']}, single instance on core {cfg['prefill_core']}, "
-        f"two_plain on both; vLLM executor `{cfg.get('vllm_executor', 'mp')}`; {res['host']}.",
+        f"two_plain on both; vLLM executor `{cfg.get('vllm_executor', 'mp')}`; {res['host']}."
+        + (
+            " Our setups interleaved: one arrival stream per point at its rate, each arrival through one of "
+            "them, each with the point's request count (throughput and goodput scaled to the whole rate)."
+            if cfg.get("interleave")
+            else ""
+        ),
         "",
         _slo_line(res),
         "",
@@ -1569,6 +1636,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="comma list of single,two_plain,pull,push,ours (ours also runs ours_grpc unless --no-grpc)",
     )
     ap.add_argument("--no-grpc", action="store_true", help="skip the ours_grpc (scheduler Generate) runs")
+    ap.add_argument(
+        "--interleave",
+        action="store_true",
+        help="our setups (ours, ours_ft, ours_grpc) in one arrival stream per point, each arrival through one "
+        "of them, each with the point's request count (paired under the same conditions; the load is the rate)",
+    )
     ap.add_argument("--prompt-lens", default="512,1024,2048")
     ap.add_argument("--rates", default="", help="explicit rates (req/s) for every prompt length")
     ap.add_argument(

@@ -419,3 +419,79 @@ def test_tpot_slo_sweep_says_where_each_setup_meets_which_target() -> None:
     assert loose["setups"]["two_plain"]["max_rate"] == 2.0
     assert [(r.slo_tpot_ms, r.slo_met) for r in results["single"]] == before
     assert sv.tpot_slo_sweep(results, {1024: None}, {1024: {"tpot_ms": 10.0}}) == []
+
+
+# ----- interleaved setups ------------------------------------------------------------------------------
+
+
+def test_interleaving_covers_every_setup_once_per_run_of_k_arrivals() -> None:
+    which = sv.interleaving(30, 3, seed=0)
+    assert len(which) == 30
+    for i in range(0, 30, 3):
+        assert sorted(which[i : i + 3]) == [0, 1, 2]
+    assert which == sv.interleaving(30, 3, seed=0)  # seeded: the same in every run
+    assert which != sv.interleaving(30, 3, seed=1)
+    assert len({tuple(which[i : i + 3]) for i in range(0, 30, 3)}) > 1  # not one fixed order
+    assert sorted(sv.interleaving(4, 3, seed=0)[3:]) in ([0], [1], [2])  # a partial last run
+
+
+def test_summarize_with_a_share_scales_throughput_and_goodput() -> None:
+    pt = Point(1024, 3.0, 2, 16)
+    samples = []
+    for i in range(2):
+        s = Sample(ok=True, sent=float(i))
+        s.ttft, s.tpot, s.done = 0.1, 0.01, float(i) + 1.0
+        samples.append(s)
+    whole, third = sv.summarize("ours", pt, samples), sv.summarize("ours", pt, samples, share=1 / 3)
+    assert whole.duration_s == pytest.approx(2.0) and whole.throughput_rps == pytest.approx(1.0)
+    assert third.throughput_rps == pytest.approx(3.0) and third.share == pytest.approx(1 / 3)
+    results = {"ours": [third]}
+    sv.apply_slo(results, {1024: SLO})
+    assert third.slo_met == 2 and third.goodput_rps == pytest.approx(3.0)
+
+
+class _FakeHarness:
+    def __init__(self, tmp_path: Path) -> None:
+        self.args = sv.parse_args(["--seed", "0", "--settle-s", "0"])
+        self.model = sv.ModelInfo(layers=2, kv_heads=4, head_dim=32, dtype_bytes=2, vocab=1000, max_positions=4096)
+        self.notes: list[str] = []
+
+    def note(self, msg: str) -> None:
+        self.notes.append(msg)
+
+
+def test_measure_interleaved_sends_each_setup_its_own_requests_in_one_stream(tmp_path: Path) -> None:
+    seen: dict[str, list[tuple[int, float]]] = {"a": [], "b": [], "c": []}
+
+    def fake(name: str) -> sv.Proxy:
+        async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
+            seen[name].append((prompt[0], s.sent))
+            s.ok, s.ttft, s.tpot, s.done = True, 0.01, 0.001, s.sent + 0.02
+
+        return run
+
+    logs = (tmp_path / "p.log", tmp_path / "d.log")
+    for p in logs:
+        p.write_text("")
+    h = _FakeHarness(tmp_path)
+    pt = Point(64, 500.0, 4, 16)
+    res = asyncio.run(
+        sv.measure_interleaved([(n, fake(n)) for n in ("a", "b", "c")], [pt], h, logs)  # type: ignore[arg-type]
+    )
+    assert sorted(res) == ["a", "b", "c"]
+    for name in "abc":
+        [r] = res[name]
+        assert r.requests == 4 and r.ok == 4 and r.share == pytest.approx(1 / 3) and r.rate == 500.0
+        assert len(seen[name]) == 4
+    # One arrival stream: the setups' requests alternate in time, and every prompt was sent once.
+    firsts = sorted((t, n) for n, calls in seen.items() for _, t in calls)
+    assert {n for _, n in firsts[:3]} == {"a", "b", "c"}
+    prompts = [p for calls in seen.values() for p, _ in calls]
+    assert len(prompts) == 12
+    assert sorted(prompts) == sorted(p[0] for p in sv.prompts_for(Point(64, 500.0, 12, 16), 1000, 0))
+    assert len(h.notes) == 3
+
+
+def test_interleave_flag() -> None:
+    assert sv.parse_args(["--interleave"]).interleave is True
+    assert sv.parse_args([]).interleave is False
