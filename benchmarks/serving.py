@@ -175,6 +175,11 @@ class PointResult:
     # arrival stream (``--interleave``), where throughput and goodput are scaled by 1 / share.
     share: float = 1.0
 
+    @property
+    def goodput_duration_s(self) -> float:
+        """The duration goodput divides by: the point's, times this setup's share of its arrivals."""
+        return self.duration_s * self.share
+
 
 def _pct(values: Sequence[float], q: float) -> float:
     v = [x for x in values if not math.isnan(x)]
@@ -282,8 +287,9 @@ def apply_slo(results: dict[str, list[PointResult]], slos: dict[int, Slo | None]
             if slo is None:
                 continue
             r.slo_ttft_ms, r.slo_tpot_ms = slo.ttft_ms, slo.tpot_ms
-            duration = r.duration_s * r.share
-            r.slo_met, r.slo_attainment, r.goodput_rps = goodput(r.req_ttft_ms, r.req_tpot_ms, duration, slo)
+            r.slo_met, r.slo_attainment, r.goodput_rps = goodput(
+                r.req_ttft_ms, r.req_tpot_ms, r.goodput_duration_s, slo
+            )
 
 
 def _judged_lengths(results: dict[str, list[PointResult]]) -> list[tuple[int, int]]:
@@ -325,7 +331,7 @@ def tpot_slo_sweep(
                 rs = [r for r in results.get(name, []) if (r.prompt_len, r.max_tokens) == (length, out)]
                 if not rs:
                     continue
-                judged = {r.rate: goodput(r.req_ttft_ms, r.req_tpot_ms, r.duration_s, tight) for r in rs}
+                judged = {r.rate: goodput(r.req_ttft_ms, r.req_tpot_ms, r.goodput_duration_s, tight) for r in rs}
                 best = max_rate_meeting([(rate, g[1]) for rate, g in judged.items()], target)
                 row["setups"][name] = {
                     "max_rate": best,

@@ -57,9 +57,14 @@ class KvPushConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         if role == KVConnectorRole.SCHEDULER:
-            from kvpush.connector.schedulers import DecodeScheduler, PrefillScheduler
+            if self.cfg.role == "decode":
+                from kvpush.connector.decode_scheduler import DecodeScheduler
 
-            self.scheduler = (DecodeScheduler if self.cfg.role == "decode" else PrefillScheduler)(self.cfg, vllm_config)
+                self.scheduler = DecodeScheduler(self.cfg, vllm_config)
+            else:
+                from kvpush.connector.prefill_scheduler import PrefillScheduler
+
+                self.scheduler = PrefillScheduler(self.cfg, vllm_config)
         else:
             from kvpush.connector.workers import DecodeWorker, PrefillWorker
 

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -25,6 +26,9 @@ from kvpush.services.common.logs import get_logger
 from kvpush.services.common.security import Security
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:
+    from kvpush.connector.messages import RankHandshake
 
 log = get_logger("kvpush.connector.registration")
 
@@ -184,3 +188,46 @@ class Registration:
             if self._stop.wait(backoff):
                 return
             backoff = min(backoff * 2, 2.0)  # a restarted scheduler hears from everyone within ~2 s
+
+
+def engine_incarnation(handshakes: list[RankHandshake]) -> str:
+    return ",".join(h.incarnation for h in handshakes)
+
+
+def register_engine(
+    cfg: ConnectorConfig,
+    role: pb.Role.ValueType,
+    tp_size: int,
+    ranks: list[RankHandshake],
+    load: Callable[[], pb.LoadReport],
+    on_leg_failures: Callable[[list[pb.LegFailure]], None] | None = None,
+    on_first_tokens: Callable[[list[pb.FirstToken]], None] | None = None,
+    first_token_handoff: bool = False,
+    vocab_size: int = 0,
+) -> Registration | None:
+    """Registers the engine with the kvpush scheduler and keeps its load stream, when configured."""
+    if not cfg.scheduler_address:
+        return None
+    shape = ranks[0].shape
+    assert shape is not None
+    info = pb.InstanceInfo(
+        engine_id=cfg.engine_id,
+        role=role,
+        incarnation=engine_incarnation(ranks),
+        tp_size=tp_size,
+        agent_endpoints=[h.endpoint for h in ranks],
+        agent_incarnations=[h.incarnation for h in ranks],
+        total_kv_blocks=ranks[0].num_blocks,
+        tokens_per_block=shape.tokens_per_block,
+        http_endpoint=cfg.http_endpoint,
+        first_token_handoff=first_token_handoff,
+        vocab_size=vocab_size,
+    )
+    return Registration(cfg, info, load, on_leg_failures=on_leg_failures, on_first_tokens=on_first_tokens).start()
+
+
+def model_vocab_size(vllm_config: Any) -> int:
+    """The model's vocabulary size, registered so that Generate refuses token ids outside it (0:
+    unknown)."""
+    model_config = getattr(vllm_config, "model_config", None)
+    return int(model_config.get_vocab_size()) if model_config is not None else 0

@@ -448,6 +448,8 @@ def test_summarize_with_a_share_scales_throughput_and_goodput() -> None:
     results = {"ours": [third]}
     sv.apply_slo(results, {1024: SLO})
     assert third.slo_met == 2 and third.goodput_rps == pytest.approx(3.0)
+    [row] = sv.tpot_slo_sweep(results, {1024: SLO}, {1024: {"tpot_ms": 10.0}}, factors=(3.0,))
+    assert row["setups"]["ours"]["goodput_rps_at_max_rate"] == pytest.approx(3.0)
 
 
 class _FakeHarness:

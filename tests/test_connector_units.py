@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from kvpush.connector.config import ConfigError, ConnectorConfig
+from kvpush.connector.decode_scheduler import DecodeScheduler
 from kvpush.connector.kv_layout import describe, merge_spans
-from kvpush.connector.schedulers import DecodeScheduler, PrefillScheduler
+from kvpush.connector.prefill_scheduler import PrefillScheduler
 from kvpush.connector.workers import PrefillWorker
 from kvpush.services.common.transfer_params import DecodeLeg, PrefillLeg, to_params
 from kvpush.services.prefill_agent.table import ReleaseBlocks

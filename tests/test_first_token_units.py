@@ -15,8 +15,8 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.decode_scheduler import DecodeScheduler, append_first_token
 from kvpush.connector.sampler_state import WORKER_QUALNAME
-from kvpush.connector.schedulers import DecodeScheduler, append_first_token
 from kvpush.connector.workers import DecodeWorker
 from kvpush.services.common import transfer_params
 from kvpush.services.common.transfer_params import DecodeLeg, LegError, PrefillLeg, canonical_bytes, to_params

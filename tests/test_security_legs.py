@@ -35,8 +35,9 @@ from hypothesis import strategies as st
 
 from kvpush.connector import legs as connector_legs
 from kvpush.connector.config import ConfigError, ConnectorConfig
+from kvpush.connector.decode_scheduler import DecodeScheduler
 from kvpush.connector.legs import LegGate, leg_verifier
-from kvpush.connector.schedulers import DecodeScheduler, PrefillScheduler
+from kvpush.connector.prefill_scheduler import PrefillScheduler
 from kvpush.services.common import transfer_params as tp
 from kvpush.services.common.leg_signing import LegRefused, LegSigner, LegVerifier, check_leg, write_keypair
 from kvpush.services.common.transfer_params import DecodeLeg, LegError, PrefillLeg, parse, to_params

@@ -346,7 +346,7 @@ class _FakeDecodeAgent:
 
 def test_decode_scheduler_computes_a_duplicate_locally_and_never_touches_the_first() -> None:
     from kvpush.connector.config import ConnectorConfig
-    from kvpush.connector.schedulers import DecodeScheduler
+    from kvpush.connector.decode_scheduler import DecodeScheduler
     from kvpush.services.common.transfer_params import DecodeLeg, to_params
 
     s = DecodeScheduler(ConnectorConfig(engine_id="d", role="decode", insecure=True), _vllm_cfg())
@@ -367,7 +367,7 @@ def test_decode_scheduler_computes_a_duplicate_locally_and_never_touches_the_fir
 
 def test_prefill_scheduler_serves_a_duplicate_plainly() -> None:
     from kvpush.connector.config import ConnectorConfig
-    from kvpush.connector.schedulers import PrefillScheduler
+    from kvpush.connector.prefill_scheduler import PrefillScheduler
     from kvpush.services.common.transfer_params import PrefillLeg, to_params
 
     s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill", insecure=True), _vllm_cfg())
