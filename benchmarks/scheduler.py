@@ -23,11 +23,13 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import hashlib
 import json
 import os
 import platform
 import resource
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -398,6 +400,24 @@ async def _with_cpu(phase: Any, pid: int) -> dict[str, Any]:
     return res
 
 
+def cpu_calibration_ms(repeats: int = 7) -> float:
+    """Median time of a fixed piece of Python work (integer loop, SHA-256) on this process's CPUs:
+    the same code measures 1.5-2x apart at different hours of a shared VM, so each report says
+    how fast the machine was while it ran."""
+
+    def once() -> float:
+        t = time.perf_counter()
+        x = 0
+        for i in range(200_000):
+            x += i * i % 7
+        h = hashlib.sha256()
+        for _ in range(2000):
+            h.update(b"x" * 1024)
+        return (time.perf_counter() - t) * 1e3
+
+    return statistics.median(once() for _ in range(repeats))
+
+
 def _cpus(spec: str) -> set[int]:
     """'0', '0,2' or '0-3' as a CPU set; '' for none."""
     cpus: set[int] = set()
@@ -475,6 +495,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await bench.register(args.decodes, args.prefills)
         await bench.open_loop(min(args.rate, 500), 1.0, "inline")  # warm-up
         load_before = os.getloadavg()
+        calibration_before = cpu_calibration_ms()
         results = []
         for rate, release in ((args.rate, "after"), (args.rate, "inline"), (args.rate / 2, "inline")):
             if not args.unary:
@@ -546,6 +567,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "cpus": os.cpu_count(),
             "loadavg_1m_before": round(load_before[0], 2),
             "loadavg_1m_after": round(os.getloadavg()[0], 2),
+            "cpu_calibration_ms_before": round(calibration_before, 2),
+            "cpu_calibration_ms_after": round(cpu_calibration_ms(), 2),
             "python": platform.python_version(),
             "grpcio": grpc.__version__,
         },
@@ -649,6 +672,8 @@ def _table(report: dict[str, Any]) -> str:
     host = report["host"]
     rows.append(
         f"\n{host['cpus']} CPUs, load average {host['loadavg_1m_before']} before / {host['loadavg_1m_after']} after; "
+        f"CPU calibration (fixed Python work, lower is faster) {host.get('cpu_calibration_ms_before', '–')} ms before / "
+        f"{host.get('cpu_calibration_ms_after', '–')} ms after; "
         "latency: client-observed Assign round trip (AssignStream open loop: from the scheduled arrival); server-side: the scheduler's own Assign handling time "
         "(share of calls within the bound, from its Prometheus histogram)."
     )
