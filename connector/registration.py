@@ -191,6 +191,7 @@ class Registration:
 
 
 def engine_incarnation(handshakes: list[RankHandshake]) -> str:
+    """The engine's incarnation: its ranks' own, in rank order (a restarted rank changes it)."""
     return ",".join(h.incarnation for h in handshakes)
 
 
