@@ -8,6 +8,11 @@ prefix caching (pinned to one core, as P/D's decode engine is), per prompt lengt
 * the full prompt's TTFT (a fresh prompt) and the decode step after it (tokens 2..4);
 * the same prompt again: its TTFT (only the last position computed) and the gap to its second token.
 
+Each prompt has ``length + 1`` tokens: vLLM caches whole blocks and always computes at least the
+last token, so a hit covers the largest multiple of the block size below the prompt's length; with
+``length`` a multiple of the block size (128 tokens on CPU by default) it covers ``length`` tokens
+and exactly one position is computed, as on P/D's decode engine.
+
 Compare the hit's TTFT with P/D's "D release -> first token" and the hand-off paths' gap before
 their second token (`make bench`): what is left of those once vLLM's own cost of starting a cached
 request is taken out is ours. Usage: ``python -m benchmarks.request_start [--core 1] [--prompt-lens
@@ -24,6 +29,7 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,28 +46,31 @@ def _ms(values: list[float], q: float = 50) -> float:
     return float(np.percentile(np.asarray(values), q)) * 1e3
 
 
-async def measure(url: str, lengths: list[int], requests: int, vocab: int, seed: int) -> list[dict[str, Any]]:
+async def measure(
+    url: str, lengths: list[int], requests: int, vocab: int, seed: int, clock: Callable[[], float] = time.monotonic
+) -> list[dict[str, Any]]:
+    """Per length: ``requests`` fresh prompts, each sent twice (``clock``: the client's clock)."""
     client = Client(120)
     rng = np.random.default_rng(seed)
     out = []
     try:
         for _ in range(3):  # warm-up
-            prompt = [int(t) for t in rng.integers(10, vocab - 10, size=min(lengths))]
-            await client.token_times(url, prompt, 4, None, uuid.uuid4().hex)
+            prompt = [int(t) for t in rng.integers(10, vocab - 10, size=min(lengths) + 1)]
+            await client.token_times(url, prompt, 4, None, uuid.uuid4().hex, clock)
         for length in lengths:
             full, step, hit, hit_gap = [], [], [], []
             for _ in range(requests):
-                prompt = [int(t) for t in rng.integers(10, vocab - 10, size=length)]
-                t0 = time.monotonic()
-                times = await client.token_times(url, prompt, 4, None, uuid.uuid4().hex)
+                prompt = [int(t) for t in rng.integers(10, vocab - 10, size=length + 1)]
+                t0 = clock()
+                times = await client.token_times(url, prompt, 4, None, uuid.uuid4().hex, clock)
                 full.append(times[0] - t0)
                 step.append((times[-1] - times[1]) / (len(times) - 2))
-                t0 = time.monotonic()
-                times = await client.token_times(url, prompt, 4, None, uuid.uuid4().hex)
+                t0 = clock()
+                times = await client.token_times(url, prompt, 4, None, uuid.uuid4().hex, clock)
                 hit.append(times[0] - t0)
                 hit_gap.append(times[1] - times[0])
             row = {
-                "prompt_len": length,
+                "prompt_len": length,  # cached by the hit; the prompt has one token more
                 "requests": requests,
                 "full_ttft_p50_ms": _ms(full),
                 "decode_step_p50_ms": _ms(step),
@@ -98,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     vocab = int(json.loads((args.model_dir / "config.json").read_text())["vocab_size"])
     server = VllmServer(
         args.model_dir,
-        max_model_len=max(lengths) + 64,
+        max_model_len=max(lengths) + 128,
         kv_cache_memory_bytes=64 << 20,
         env={"PYTHONPATH": str(ROOT), **omp_bind(args.core)},
         extra_args=["--enable-prefix-caching"],
