@@ -1097,29 +1097,8 @@ def prefill_only_points(pts: Sequence[Point]) -> list[Point]:
 async def measure(
     name: str, proxy: Proxy, pts: list[Point], h: Harness, logs: tuple[Path, Path] | None = None
 ) -> list[PointResult]:
-    a = h.args
-    res = []
-    for pt in pts:
-        offs = (_size(logs[0]), _size(logs[1])) if logs else (0, 0)
-        t0 = time.monotonic()
-        samples = await run_point(
-            proxy, prompts_for(pt, h.model.vocab, a.seed), arrivals_for(pt, a.seed), pt.max_tokens, a.timeout
-        )
-        r = summarize(name, pt, samples)
-        r.load1 = os.getloadavg()[0]
-        r.foreign_vllm = foreign_vllm_processes()
-        if logs:
-            await asyncio.sleep(0.3)  # let the log lines of the last transfers land
-            r.phases = phase_stats(logs[0], logs[1], *offs, samples)
-        res.append(r)
-        h.note(
-            f"{name:>12} L={pt.prompt_len} out={pt.max_tokens} rate={pt.rate:g}/s n={pt.requests}: ok={r.ok} "
-            f"TTFT p50={r.ttft_p50_ms:.1f} p99={r.ttft_p99_ms:.1f} ms TPOT p50={r.tpot_p50_ms:.2f} ms "
-            f"{r.throughput_rps:.2f} req/s ({time.monotonic() - t0:.0f} s, load {r.load1:.1f}, "
-            f"foreign vLLM procs {r.foreign_vllm}){' ' + r.errors[0] if r.errors else ''}"
-        )
-        await asyncio.sleep(a.settle_s)
-    return res
+    """Each point as one Poisson stream through one setup."""
+    return (await measure_interleaved([(name, proxy)], pts, h, logs))[name]
 
 
 def interleaving(n: int, k: int, seed: int) -> list[int]:
@@ -1140,17 +1119,18 @@ def _router(proxies: Sequence[tuple[str, Proxy]], prompts: list[list[int]], whic
 
 
 async def measure_interleaved(
-    proxies: Sequence[tuple[str, Proxy]], pts: list[Point], h: Harness, logs: tuple[Path, Path]
+    proxies: Sequence[tuple[str, Proxy]], pts: list[Point], h: Harness, logs: tuple[Path, Path] | None = None
 ) -> dict[str, list[PointResult]]:
     """Each point once, as one Poisson stream at the point's rate with ``k`` times its requests,
     every arrival sent through one of the ``k`` setups (``interleaving``): the setups share the
     same moments of the machine, so their ratios do not carry the drift between back-to-back runs.
-    Each setup's result holds its own ``requests`` samples (share 1/k)."""
+    Each setup's result holds its own ``requests`` samples (share 1/k). ``logs`` (P's and D's):
+    our agents' events, split into per-request phases."""
     a = h.args
     k = len(proxies)
     res: dict[str, list[PointResult]] = {name: [] for name, _ in proxies}
     for pt in pts:
-        offs = (_size(logs[0]), _size(logs[1]))
+        offs = (_size(logs[0]), _size(logs[1])) if logs else (0, 0)
         t0 = time.monotonic()
         total = replace(pt, requests=pt.requests * k)
         prompts = prompts_for(total, h.model.vocab, a.seed)
@@ -1158,19 +1138,22 @@ async def measure_interleaved(
         samples = await run_point(
             _router(proxies, prompts, which), prompts, arrivals_for(total, a.seed), pt.max_tokens, a.timeout
         )
-        await asyncio.sleep(0.3)  # let the log lines of the last transfers land
         load1, foreign = os.getloadavg()[0], foreign_vllm_processes()
+        if logs:
+            await asyncio.sleep(0.3)  # let the log lines of the last transfers land
         for j, (name, _) in enumerate(proxies):
             mine = [s for i, s in enumerate(samples) if which[i] == j]
             r = summarize(name, pt, mine, share=1.0 / k)
             r.load1, r.foreign_vllm = load1, foreign
-            r.phases = phase_stats(logs[0], logs[1], *offs, mine)
+            if logs:
+                r.phases = phase_stats(logs[0], logs[1], *offs, mine)
             res[name].append(r)
             h.note(
-                f"{name:>12} L={pt.prompt_len} out={pt.max_tokens} rate={pt.rate:g}/s n={r.requests} "
-                f"(interleaved with {k - 1} more): ok={r.ok} TTFT p50={r.ttft_p50_ms:.1f} ms "
-                f"TPOT p50={r.tpot_p50_ms:.2f} ms{' ' + r.errors[0] if r.errors else ''}"
-                + (f" ({time.monotonic() - t0:.0f} s, load {load1:.1f})" if j == k - 1 else "")
+                f"{name:>12} L={pt.prompt_len} out={pt.max_tokens} rate={pt.rate:g}/s n={r.requests}"
+                + (f" (interleaved with {k - 1} more)" if k > 1 else "")
+                + f": ok={r.ok} TTFT p50={r.ttft_p50_ms:.1f} p99={r.ttft_p99_ms:.1f} ms TPOT p50={r.tpot_p50_ms:.2f} ms "
+                f"{r.throughput_rps:.2f} req/s ({time.monotonic() - t0:.0f} s, load {load1:.1f}, "
+                f"foreign vLLM procs {foreign}){' ' + r.errors[0] if r.errors else ''}"
             )
         await asyncio.sleep(a.settle_s)
     return res

@@ -227,15 +227,17 @@ class DecodeScheduler:
     # ----- hooks --------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.agent is None or request.request_id in self._tried or not isinstance(self.legs.of(request), DecodeLeg):
-            return 0, False  # not ours, already tried, or no agent yet: compute locally
+        if self.agent is None or request.request_id in self._tried:
+            return 0, False  # no agent yet, or already tried: compute locally
+        leg = self.legs.of(request)
+        if not isinstance(leg, DecodeLeg):
+            return 0, False  # not ours: compute locally
         n = request.num_prompt_tokens - num_computed_tokens
-        if self._is_duplicate(request):
-            # Another live request holds its transfer id: compute locally, unless it is a hand-off
-            # leg (the frontend streams prefill's token and asked for one token less): then it
+        if self._is_duplicate(request) and not leg.first_token:
+            # Another live request holds its transfer id: compute locally. A hand-off leg (the
+            # frontend streams prefill's token and asked for one token less) is claimed instead and
             # fails, through a load that is reported failed at once.
-            leg = self.legs.of(request)
-            return (n, True) if isinstance(leg, DecodeLeg) and leg.first_token and n > 0 else (0, False)
+            return 0, False
         return (n, True) if n > 0 else (0, False)
 
     def _is_duplicate(self, request: Any) -> bool:
