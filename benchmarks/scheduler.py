@@ -207,12 +207,18 @@ class Bench:
         res = _summary(f"closed loop, {workers} workers", lat, errs[0], time.perf_counter() - start, None)
         return res
 
-    async def open_streams(self, streams: int, max_batch: int, in_flight: int, compact: bool = True) -> None:
+    async def open_streams(
+        self, streams: int, max_batch: int, in_flight: int, compact: bool = True, release_delay_ms: float = 0.0
+    ) -> None:
         from kvpush.services.scheduler.assign_client import AssignStreamClient
 
         self.clients = [
             await AssignStreamClient(
-                self.stubs[i % len(self.stubs)], max_batch=max_batch, max_in_flight=in_flight, compact=compact
+                self.stubs[i % len(self.stubs)],
+                max_batch=max_batch,
+                max_in_flight=in_flight,
+                compact=compact,
+                release_delay_ms=release_delay_ms,
             ).start()
             for i in range(streams)
         ]
@@ -511,7 +517,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             results[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
         stream_rates = [float(r) for r in args.stream_rates.split(",") if r]
         if stream_rates or args.stream_workers:
-            await bench.open_streams(args.streams, args.max_batch, args.max_in_flight, bool(args.compact))
+            await bench.open_streams(
+                args.streams, args.max_batch, args.max_in_flight, bool(args.compact), args.release_delay_ms
+            )
             await bench.stream_open_loop(min(stream_rates or [1000.0]), 1.0)  # warm-up
             for rate in stream_rates:
                 gc_before = _gc_pauses(metrics_port)
@@ -533,6 +541,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         floors.append("unary")
     if args.stream_workers:
         floors.append("stream")
+    if stream_rates:
+        floors.append("stream_open")
     if args.baseline and floors:
         address = f"127.0.0.1:{_free_port()}"
         proc = _start(
@@ -548,14 +558,25 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 floor["phase"] = f"gRPC floor (echo servicer), {args.workers} workers"
                 floor["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
                 results.append(floor)
+            if "stream" in floors or "stream_open" in floors:
+                await bench.open_streams(
+                    args.streams, args.max_batch, args.max_in_flight, bool(args.compact), args.release_delay_ms
+                )
+            if "stream_open" in floors:
+                await bench.stream_open_loop(min(stream_rates), 1.0)  # warm-up
+                for rate in stream_rates:
+                    floor = await _with_cpu(bench.stream_open_loop(rate, args.seconds), proc.pid)
+                    floor["phase"] = "AssignStream gRPC floor (echo servicer), open loop"
+                    floor["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+                    results.append(floor)
             if "stream" in floors:
-                await bench.open_streams(args.streams, args.max_batch, args.max_in_flight, bool(args.compact))
                 for workers in sorted({1, args.stream_workers}):
                     await bench.stream_closed_loop(workers, 1.0)  # warm-up
                     floor = await _with_cpu(bench.stream_closed_loop(workers, args.seconds), proc.pid)
                     floor["phase"] = f"AssignStream gRPC floor (echo servicer), {workers} callers"
                     floor["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
                     results.append(floor)
+            if "stream" in floors or "stream_open" in floors:
                 await bench.close_streams()
             await bench.close()
         finally:
@@ -581,6 +602,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_batch": args.max_batch,
             "max_in_flight": args.max_in_flight,
             "compact": bool(args.compact),
+            "release_delay_ms": args.release_delay_ms,
             "server_cpus": args.server_cpus or "any",
             "client_cpus": args.client_cpus or "any",
             "note": "client-observed Assign round trip (Releases not timed: 'inline' = sent by the same task "
@@ -695,6 +717,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-batch", type=int, default=256, help="assigns per AssignStream batch at most")
     p.add_argument("--max-in-flight", type=int, default=2, help="unanswered batches per stream at most")
     p.add_argument(
+        "--release-delay-ms",
+        type=float,
+        default=0.0,
+        help="how long a Release waits for an Assign to ride with (AssignStreamClient's release_delay_ms)",
+    )
+    p.add_argument(
         "--compact",
         type=int,
         choices=(0, 1),
@@ -709,7 +737,8 @@ def main(argv: list[str] | None = None) -> None:
         type=int,
         choices=(0, 1),
         default=1,
-        help="1: repeat the closed loop against a servicer without logic (the gRPC floor)",
+        help="1: repeat the closed loops and the AssignStream open loops against a servicer without logic "
+        "(the gRPC floor)",
     )
     p.add_argument("--serve-echo", metavar="ADDR", help=argparse.SUPPRESS)
     p.add_argument("--echo-certs", type=Path, help=argparse.SUPPRESS)

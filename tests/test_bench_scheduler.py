@@ -1,7 +1,12 @@
-"""Pure helpers of the scheduler benchmark (no scheduler): CPU sets, the machine-speed
-calibration and the report's host line."""
+"""The scheduler benchmark: its pure helpers (CPU sets, the machine-speed calibration, the
+report's host line) and one short run end to end (a real scheduler and the echo servicer)."""
 
 from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -39,3 +44,28 @@ def test_table_says_how_fast_the_machine_was() -> None:
     assert "CPU calibration (fixed Python work, lower is faster) – ms before" in sb._table(
         {"results": [row], "host": host}
     )
+
+
+@pytest.mark.timeout(180)
+def test_a_short_run_measures_the_scheduler_and_the_grpc_floor_at_the_same_rate(tmp_path: Path) -> None:
+    out = tmp_path / "scheduler.json"
+    argv = ["--unary", "0", "--stream-rates", "200", "--stream-workers", "0", "--seconds", "0.5"]
+    argv += ["--decodes", "1", "--prefills", "1", "--release-delay-ms", "2", "--out", str(out)]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scheduler", *argv],
+        cwd=sb.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["setup"]["release_delay_ms"] == 2
+    phases = {r["phase"]: r for r in report["results"]}
+    assert set(phases) == {
+        "AssignStream open loop, release inline",
+        "AssignStream gRPC floor (echo servicer), open loop",
+    }
+    for r in phases.values():
+        assert r["offered_rps"] == 200 and r["completed"] == 100 and r["errors"] == 0
+        assert 0 < r["batches"] <= 200 and r["server_cpu_us_per_pair"] > 0  # a Release may go alone

@@ -572,7 +572,7 @@ def test_generate_streams_prefills_first_token_and_decode_continues() -> None:
             assert sample("kvpush_scheduler_first_tokens_total", {"result": "relayed"}) == 1
             for phase in ("assign", "first_token", "second_token"):
                 assert sample("kvpush_scheduler_generate_phase_seconds_count", {"phase": phase}) == 1
-            assert not server.servicer._first_token_waiters
+            assert not server.servicer._first_tokens.waiters
 
     run(body())
 

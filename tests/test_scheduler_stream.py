@@ -224,6 +224,34 @@ def test_client_coalesces_concurrent_assigns_and_releases() -> None:
     run(body())
 
 
+def test_client_release_rides_with_the_next_assign_or_leaves_after_its_delay() -> None:
+    async def body() -> None:
+        async with scheduler(**LEASE) as (server, stub, _):
+            await FakeInstance(stub, info("d0", blocks=1 << 20)).start()
+            await FakeInstance(stub, info("p0", pb.ROLE_PREFILL)).start()
+            # A delay longer than the test: the Release leaves only with the next Assign.
+            async with AssignStreamClient(stub, release_delay_ms=60_000) as client:
+                a = await client.assign(pb.AssignRequest(prompt_tokens=16))
+                client.release(a.transfer_id, a.epoch, pb.OUTCOME_OK)
+                await asyncio.sleep(0)  # the send loop runs: nothing is due
+                assert client.batches == 1 and a.transfer_id in server.registry.open
+                b = await client.assign(pb.AssignRequest(prompt_tokens=16))
+                assert client.batches == 2  # one message: b's Assign and a's Release
+                assert set(server.registry.open) == {b.transfer_id}
+                client.release(b.transfer_id, b.epoch, pb.OUTCOME_OK)
+            assert not server.registry.open  # close() sent the waiting Release at once
+            # A short delay and no Assign after it: the Release leaves alone.
+            async with AssignStreamClient(stub, release_delay_ms=20) as client:
+                c = await client.assign(pb.AssignRequest(prompt_tokens=16))
+                client.release(c.transfer_id, c.epoch, pb.OUTCOME_OK)
+                await wait_for(lambda: not server.registry.open)
+                assert client.batches == 2
+            with pytest.raises(ValueError):
+                AssignStreamClient(stub, release_delay_ms=-1)
+
+    run(body())
+
+
 @pytest.mark.parametrize("in_flight", [1, 2])
 def test_client_keeps_at_most_max_in_flight_batches_unanswered(in_flight: int) -> None:
     async def body() -> None:

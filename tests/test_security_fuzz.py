@@ -440,6 +440,6 @@ def test_fuzz_scheduler(sched: tuple[SchedulerServer, pb_grpc.SchedulerStub], ca
     def idle() -> bool:
         left = (s._inflight, getattr(s, "_generating", 0), s._queued, len(s._lost), len(s._subscribers))
         # No load stream is open after the calls: no outbox for leg failures may remain either.
-        return left == (0, 0, 0, 0, 0) and not server.registry.open and not s._outboxes and not s._first_token_waiters
+        return left == (0, 0, 0, 0, 0) and not server.registry.open and not s._outboxes and not s._first_tokens.waiters
 
     _until(idle, "scheduler calls, subscribers or open assignments")

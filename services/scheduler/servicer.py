@@ -19,6 +19,7 @@ from kvpush.services.common.security import ROLE_NAMES, claim_problem, peer_iden
 from kvpush.services.scheduler import convert
 from kvpush.services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound, SchedulerError
 from kvpush.services.scheduler.generate import AssignmentLost, GenerateParams, LegError, OpenAIClient, run_legs
+from kvpush.services.scheduler.load_stream_push import FirstTokenRelay, Outboxes, Pushed, ack_of
 from kvpush.services.scheduler.metrics import Metrics
 from kvpush.services.scheduler.model import (
     AssignmentRecord,
@@ -27,7 +28,6 @@ from kvpush.services.scheduler.model import (
     EventKind,
     InstanceSpec,
     Outcome,
-    Role,
     State,
 )
 from kvpush.services.scheduler.registry import Registry
@@ -41,8 +41,6 @@ _CODES: dict[type[SchedulerError], grpc.StatusCode] = {
     NoCapacity: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 _MAX_PROMPT_TOKENS = limits.MAX_PROMPT_TOKENS
-_MAX_QUEUED_FAILURES = 1024  # leg failures waiting for one decode's load stream; more are dropped
-_MAX_PUSHED_FAILURES = 256  # per LoadAck
 
 
 class ShuttingDown(NoCapacity):
@@ -146,11 +144,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._decision_counters: dict[tuple[str, str], Any] = {}
         self._release_counters: dict[Outcome, Any] = {}
         self._prefill_legs: set[asyncio.Task[None]] = set()  # prefill legs sent by Reroute
-        # Per instance (engine id, incarnation) with a load stream: leg failures and first tokens
-        # to push down it.
-        self._outboxes: dict[tuple[str, str], asyncio.Queue[pb.LegFailure | pb.FirstToken]] = {}
-        # Generate calls waiting for their transfer's first token (first-token hand-off).
-        self._first_token_waiters: dict[str, asyncio.Future[pb.FirstToken]] = {}
+        # Per instance with a load stream: leg failures and first tokens to push down it.
+        self._outboxes = Outboxes()
+        # First tokens from prefill to decode and to Generate calls (first-token hand-off).
+        self._first_tokens = FirstTokenRelay(registry, self._outboxes, metrics)
         registry.event_listeners.append(self._on_event)
         registry.closed_listeners.append(self._on_closed)
         registry.capacity_listeners.append(self._changed.notify)
@@ -318,25 +315,13 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         the KV it holds (or will hold) for the transfer instead of keeping it for its lease."""
         return self._push_leg_failure(rec.prefill, rec, rec.prefill.engine_id, reason, pb.ROLE_DECODE)
 
-    def _push(self, to: InstanceSpec, msg: pb.LegFailure | pb.FirstToken) -> bool:
-        """Queues ``msg`` for the instance's current load stream; False when it has none or its
-        queue is full."""
-        box = self._outboxes.get((to.engine_id, to.incarnation))
-        if box is None:
-            return False
-        try:
-            box.put_nowait(msg)
-        except asyncio.QueueFull:
-            return False
-        return True
-
     def _push_leg_failure(
         self, to: InstanceSpec, rec: AssignmentRecord, prefill_engine_id: str, reason: str, leg: pb.Role.ValueType
     ) -> bool:
         failure = pb.LegFailure(
             transfer_id=rec.transfer_id, prefill_engine_id=prefill_engine_id, reason=limits.clip(reason), leg=leg
         )
-        delivered = self._push(to, failure)
+        delivered = self._outboxes.push(to, failure)
         self.metrics.leg_failures.labels("pushed" if delivered else "undelivered").inc()
         self.log.warning(
             "leg_failed",
@@ -349,43 +334,6 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         )
         return delivered
 
-    def _relay_first_tokens(self, report: pb.LoadReport) -> None:
-        """First tokens a prefill engine sampled: each goes to the decode engine it names (its
-        current incarnation's load stream) and to a Generate call waiting for it. The prefill is
-        named by the scheduler (the stream's authenticated engine), never by the report; decode
-        takes a token only from a prefill its transfer was published to."""
-        inst = self.registry.instances.get(report.engine_id)
-        if inst is None or inst.spec.role is not Role.PREFILL:
-            self.log.warning("first_tokens_refused", engine_id=report.engine_id, reason="not a prefill engine")
-            return
-        if len(report.first_tokens) > limits.MAX_EXPECTATIONS_PER_CALL:
-            self.log.warning("first_tokens_refused", engine_id=report.engine_id, reason="too many in one report")
-            return
-        for ft in report.first_tokens:
-            if max(len(ft.transfer_id), len(ft.decode_engine_id)) > limits.MAX_ID_CHARS or not ft.transfer_id:
-                self.log.warning("first_token_refused", engine_id=report.engine_id, reason="bad ids")
-                continue
-            relayed = pb.FirstToken(
-                transfer_id=ft.transfer_id,
-                decode_engine_id=ft.decode_engine_id,
-                prefill_engine_id=report.engine_id,
-                token_id=ft.token_id,
-                stopped=ft.stopped,
-            )
-            waiter = self._first_token_waiters.get(ft.transfer_id)
-            if waiter is not None and not waiter.done():
-                waiter.set_result(relayed)
-            decode = self.registry.instances.get(ft.decode_engine_id)
-            delivered = decode is not None and self._push(decode.spec, relayed)
-            self.metrics.first_tokens.labels("relayed" if delivered else "undelivered").inc()
-            if not delivered:
-                self.log.warning(
-                    "first_token_undelivered",
-                    transfer_id=ft.transfer_id,
-                    decode=ft.decode_engine_id,
-                    prefill=report.engine_id,
-                )
-
     async def ReportLoad(
         self, request_iterator: AsyncIterator[pb.LoadReport], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.LoadAck]:
@@ -396,8 +344,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         peer = peer_identity(context)
         reports = aiter(request_iterator)
         next_report: asyncio.Future[pb.LoadReport] = asyncio.ensure_future(anext(reports))
-        next_push: asyncio.Future[pb.LegFailure | pb.FirstToken] | None = None
-        box: asyncio.Queue[pb.LegFailure | pb.FirstToken] | None = None
+        next_push: asyncio.Future[Pushed] | None = None
+        box: asyncio.Queue[Pushed] | None = None
         box_key: tuple[str, str] | None = None
         try:
             while True:
@@ -407,14 +355,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                 done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
                 if next_push is not None and next_push in done:
                     assert box is not None
-                    pushed = [next_push.result()]
-                    while not box.empty() and len(pushed) < _MAX_PUSHED_FAILURES:
-                        pushed.append(box.get_nowait())
+                    ack = ack_of(next_push.result(), box)
                     next_push = None
-                    yield pb.LoadAck(
-                        leg_failures=[m for m in pushed if isinstance(m, pb.LegFailure)],
-                        first_tokens=[m for m in pushed if isinstance(m, pb.FirstToken)],
-                    )
+                    yield ack
                 if next_report not in done:
                     continue
                 try:
@@ -447,9 +390,9 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
                     await self._abort(context, exc)
                 draining = report.draining
                 if report.first_tokens:
-                    self._relay_first_tokens(report)
+                    self._first_tokens.relay(report)
                 if box is None:  # a registered instance's stream: it may be pushed to from now on
-                    box = self._outboxes[key] = asyncio.Queue(maxsize=_MAX_QUEUED_FAILURES)
+                    box = self._outboxes.open(key)
                     box_key = key
                 yield pb.LoadAck(sequence=seq)
             # A broken or cancelled call can also end the iteration without an error, so only a
@@ -459,8 +402,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             for fut in (next_report, next_push):
                 if fut is not None:
                     fut.cancel()
-            if box_key is not None and self._outboxes.get(box_key) is box:
-                del self._outboxes[box_key]
+            if box_key is not None and box is not None:
+                self._outboxes.close(box_key, box)
             if ident is not None and not self.shutting_down:
                 self.registry.stream_closed(ident[0], ident[1], clean)
 
@@ -817,7 +760,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         self._lost[rec.transfer_id] = lost
         first_token: asyncio.Future[pb.FirstToken] | None = None
         if rec.first_token:
-            first_token = self._first_token_waiters[rec.transfer_id] = asyncio.get_running_loop().create_future()
+            first_token = self._first_tokens.wait_for(rec.transfer_id)
         outcome, reason, tokens = Outcome.FAILED, "", 0
         status: tuple[grpc.StatusCode, str] | None = None
         first = True
@@ -872,7 +815,7 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
             status = (grpc.StatusCode.UNAVAILABLE, f"assignment lost: {reason}")
         finally:
             self._lost.pop(rec.transfer_id, None)
-            self._first_token_waiters.pop(rec.transfer_id, None)
+            self._first_tokens.forget(rec.transfer_id)
             self.metrics.generate.labels(outcome.value).inc()
             if rec.state is State.OPEN:
                 self.registry.release(rec.transfer_id, rec.epoch, outcome, reason)
