@@ -21,7 +21,8 @@ from pathlib import Path
 
 from google.protobuf.json_format import MessageToDict
 
-from benchmarks.serving import Client, Sample
+from benchmarks.serving_model import Sample
+from benchmarks.serving_proxies import Client
 from kvpush.v1 import kvpush_pb2 as pb
 from scripts.cluster import REPO
 from scripts.cluster.pd import PDCluster, pd_cluster

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import serving
+from benchmarks import serving, serving_proxies
 
 ROOT = Path(__file__).resolve().parent.parent
 _RID = re.compile(r"[0-9a-f]{32}")
@@ -121,7 +121,7 @@ class Trace:
         }
 
 
-async def _stream(c: serving.Client, url: str, prompt: list[int], n: int, params: Any, rid: str) -> list[float]:
+async def _stream(c: serving_proxies.Client, url: str, prompt: list[int], n: int, params: Any, rid: str) -> list[float]:
     """Arrival times (time.time: comparable with the engines' log timestamps) of each streamed token."""
     out = await c.token_times(url, prompt, n, params, rid, clock=time.time)
     if len(out) != n:
@@ -141,7 +141,7 @@ async def measure(
     from kvpush.v1 import kvpush_pb2 as pb
     from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
-    c = serving.Client(120)
+    c = serving_proxies.Client(120)
     rows: list[dict[str, Any]] = []
     n = args.output_len
     p_url, d_url = pair.prefill.base_url, pair.decode.base_url
@@ -171,7 +171,7 @@ async def measure(
                 plain = await _stream(c, d_url, prompt, n, None, uuid.uuid4().hex)
                 await prefill_leg(prompt, a, uuid.uuid4().hex)
                 await waiting
-                await serving._release(stub, a, pb.OUTCOME_OK)
+                await serving_proxies.release_assignment(stub, a, pb.OUTCOME_OK)
                 return plain
 
             async def handoff_into_a_running_decode(prompt: list[int]) -> tuple[str, list[float]]:
@@ -182,7 +182,7 @@ async def measure(
                 await prefill_leg(prompt, a, uuid.uuid4().hex)
                 d_tokens = await decode
                 await plain
-                await serving._release(stub, a, pb.OUTCOME_OK)
+                await serving_proxies.release_assignment(stub, a, pb.OUTCOME_OK)
                 return a.transfer_id, d_tokens
 
             for i, prompt in enumerate(prompts):
@@ -196,7 +196,7 @@ async def measure(
                 await prefill_leg(prompt, a, p_rid)
                 t2 = time.time()
                 d_tokens = await decode
-                await serving._release(stub, a, pb.OUTCOME_OK)
+                await serving_proxies.release_assignment(stub, a, pb.OUTCOME_OK)
                 row.update(tid=a.transfer_id, sent=t0, assigned=t1, p_rid=p_rid, p_answer=t2, d_tokens=d_tokens)
                 g0 = time.time()
                 g_tokens: list[float] = []

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.serving import Client
+from benchmarks.serving_proxies import Client
 from kvpush.services.common.vllm_server import VllmServer
 from scripts.cluster.vllm import omp_bind
 

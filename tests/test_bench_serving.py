@@ -12,7 +12,13 @@ from typing import Any
 import pytest
 
 from benchmarks import serving as sv
-from benchmarks.serving import Point, PointResult, RoundRobin, Sample, Slo
+from benchmarks import serving_model as sv_model
+from benchmarks import serving_proxies as sv_proxies
+from benchmarks import serving_report as sv_report
+from benchmarks import serving_slo as sv_slo
+from benchmarks.serving_model import Point, PointResult, Sample
+from benchmarks.serving_proxies import RoundRobin
+from benchmarks.serving_slo import Slo
 
 SLO = Slo(ttft_ms=500.0, tpot_ms=20.0)
 
@@ -35,49 +41,49 @@ SLO = Slo(ttft_ms=500.0, tpot_ms=20.0)
     ],
 )
 def test_meets_slo_needs_both_targets(ttft: float | None, tpot: float | None, met: bool) -> None:
-    assert sv.meets_slo(ttft, tpot, SLO) is met
+    assert sv_slo.meets_slo(ttft, tpot, SLO) is met
 
 
 def test_goodput_counts_failures_as_missed_and_divides_by_duration() -> None:
     ttft = [100.0, 200.0, 900.0, math.nan, 450.0]
     tpot = [10.0, 25.0, 10.0, math.nan, 19.0]
-    met, fraction, rps = sv.goodput(ttft, tpot, 2.0, SLO)
+    met, fraction, rps = sv_slo.goodput(ttft, tpot, 2.0, SLO)
     assert met == 2  # requests 0 and 4; 1 misses TPOT, 2 misses TTFT, 3 failed
     assert fraction == pytest.approx(2 / 5)
     assert rps == pytest.approx(1.0)
 
 
 def test_goodput_edge_cases() -> None:
-    assert sv.goodput([math.nan, math.nan], [math.nan, math.nan], math.nan, SLO) == (0, 0.0, 0.0)
-    met, fraction, rps = sv.goodput([], [], 1.0, SLO)
+    assert sv_slo.goodput([math.nan, math.nan], [math.nan, math.nan], math.nan, SLO) == (0, 0.0, 0.0)
+    met, fraction, rps = sv_slo.goodput([], [], 1.0, SLO)
     assert met == 0 and math.isnan(fraction) and rps == 0.0
     with pytest.raises(ValueError):
-        sv.goodput([1.0], [], 1.0, SLO)
+        sv_slo.goodput([1.0], [], 1.0, SLO)
 
 
 # ----- the rate summary ----------------------------------------------------------------------------
 
 
 def test_max_rate_meeting_stops_at_the_first_rate_that_misses() -> None:
-    assert sv.max_rate_meeting([(1.0, 1.0), (2.0, 0.95), (4.0, 0.9), (8.0, 0.5)]) == 4.0
+    assert sv_slo.max_rate_meeting([(1.0, 1.0), (2.0, 0.95), (4.0, 0.9), (8.0, 0.5)]) == 4.0
     # A pass above a failing rate is noise, not capacity; input order does not matter.
-    assert sv.max_rate_meeting([(8.0, 1.0), (2.0, 1.0), (4.0, 0.89)]) == 2.0
-    assert sv.max_rate_meeting([(1.0, 0.5), (2.0, 1.0)]) is None
-    assert sv.max_rate_meeting([(1.0, 1.0), (2.0, math.nan), (4.0, 1.0)]) == 1.0
-    assert sv.max_rate_meeting([]) is None
-    assert sv.max_rate_meeting([(1.0, 0.8), (2.0, 0.7)], target=0.75) == 1.0
+    assert sv_slo.max_rate_meeting([(8.0, 1.0), (2.0, 1.0), (4.0, 0.89)]) == 2.0
+    assert sv_slo.max_rate_meeting([(1.0, 0.5), (2.0, 1.0)]) is None
+    assert sv_slo.max_rate_meeting([(1.0, 1.0), (2.0, math.nan), (4.0, 1.0)]) == 1.0
+    assert sv_slo.max_rate_meeting([]) is None
+    assert sv_slo.max_rate_meeting([(1.0, 0.8), (2.0, 0.7)], target=0.75) == 1.0
 
 
 def test_slos_from_the_unloaded_base_or_fixed_flags() -> None:
     base = {512: {"ttft_ms": 100.0, "tpot_ms": 10.0}, 1024: {"ttft_ms": 200.0, "tpot_ms": 12.0}}
-    slos = sv.slos_for([512, 1024, 2048], base, scale=3.0)
+    slos = sv_slo.slos_for([512, 1024, 2048], base, scale=3.0)
     assert slos[512] == Slo(300.0, 30.0)
     assert slos[1024] == Slo(600.0, 36.0)
     assert slos[2048] is None  # no base and no flag: unknown
-    mixed = sv.slos_for([1024, 2048], base, scale=3.0, tpot_ms=50.0)
+    mixed = sv_slo.slos_for([1024, 2048], base, scale=3.0, tpot_ms=50.0)
     assert mixed[1024] == Slo(600.0, 50.0)
     assert mixed[2048] is None  # TTFT still has no base
-    fixed = sv.slos_for([2048], {}, scale=3.0, ttft_ms=800.0, tpot_ms=40.0)
+    fixed = sv_slo.slos_for([2048], {}, scale=3.0, ttft_ms=800.0, tpot_ms=40.0)
     assert fixed[2048] == Slo(800.0, 40.0)
 
 
@@ -89,7 +95,7 @@ def _result(setup: str, pt: Point, ttft_s: list[float], tpot_s: float = 0.01) ->
         if s.ok:
             s.ttft, s.tpot, s.done = t, tpot_s, i / pt.rate + t + tpot_s * (pt.max_tokens - 1)
         samples.append(s)
-    return sv.summarize(setup, pt, samples)
+    return sv_model.summarize(setup, pt, samples)
 
 
 def test_summarize_keeps_per_request_times_in_ms() -> None:
@@ -102,14 +108,14 @@ def test_summarize_keeps_per_request_times_in_ms() -> None:
 
 def test_record_splits_the_first_gap_from_the_rest() -> None:
     s = Sample(ok=False, sent=1.0)
-    sv.record(s, 1.1, 1.5, 5, 5, second=1.2)  # tokens at 1.1, 1.2, then three more up to 1.5
+    sv_proxies.record(s, 1.1, 1.5, 5, 5, second=1.2)  # tokens at 1.1, 1.2, then three more up to 1.5
     assert s.ok and s.ttft == pytest.approx(0.1) and s.tpot == pytest.approx(0.1)
     assert s.gap2 == pytest.approx(0.1) and s.tpot_rest == pytest.approx(0.1)
     one = Sample(ok=False, sent=0.0)
-    sv.record(one, 0.1, 0.1, 1, 1)
+    sv_proxies.record(one, 0.1, 0.1, 1, 1)
     assert math.isnan(one.gap2) and math.isnan(one.tpot_rest) and math.isnan(one.tpot)
     with pytest.raises(RuntimeError):
-        sv.record(Sample(ok=False, sent=0.0), 0.1, 0.2, 2, 3)
+        sv_proxies.record(Sample(ok=False, sent=0.0), 0.1, 0.2, 2, 3)
 
 
 def _sweep() -> dict[str, list[PointResult]]:
@@ -128,14 +134,14 @@ def _sweep() -> dict[str, list[PointResult]]:
 
 def test_apply_slo_and_goodput_summary() -> None:
     results = _sweep()
-    sv.apply_slo(results, {1024: SLO})
+    sv_slo.apply_slo(results, {1024: SLO})
     one = results["two_plain"][0]
     assert (one.slo_ttft_ms, one.slo_tpot_ms) == (500.0, 20.0)
     assert one.slo_met == 10 and one.slo_attainment == 1.0
     assert one.goodput_rps == pytest.approx(one.throughput_rps)  # every ok request met the SLOs
     assert results["single"][1].slo_attainment == pytest.approx(0.5)
     assert math.isnan(results["prefill_only"][0].slo_attainment)  # the reference is not judged
-    [row] = sv.goodput_summary(results)
+    [row] = sv_slo.goodput_summary(results)
     assert (row["prompt_len"], row["max_tokens"]) == (1024, 16)
     assert row["setups"]["single"]["max_rate"] == 1.0
     assert row["setups"]["two_plain"]["max_rate"] == 2.0
@@ -146,8 +152,8 @@ def test_apply_slo_and_goodput_summary() -> None:
 
 def test_goodput_summary_without_slo_lists_no_setups() -> None:
     results = _sweep()
-    sv.apply_slo(results, {1024: None})
-    [row] = sv.goodput_summary(results)
+    sv_slo.apply_slo(results, {1024: None})
+    [row] = sv_slo.goodput_summary(results)
     assert row["setups"] == {} and "slo_ttft_ms" not in row
 
 
@@ -177,7 +183,7 @@ class _FakeClient:
 
 def test_round_robin_proxy_alternates_in_request_order() -> None:
     client = _FakeClient()
-    proxy = sv.round_robin_proxy(client, ["http://a", "http://b"])  # type: ignore[arg-type]
+    proxy = sv_proxies.round_robin_proxy(client, ["http://a", "http://b"])  # type: ignore[arg-type]
 
     async def go() -> None:
         for i in range(5):
@@ -213,9 +219,9 @@ class _FakePD:
 def test_pd_proxies_send_one_prefill_token_and_stream_the_requested_length(kind: str) -> None:
     c = _FakePD()
     if kind == "pull":
-        proxy = sv.pull_proxy(c, "http://p", "http://d")  # type: ignore[arg-type]
+        proxy = sv_proxies.pull_proxy(c, "http://p", "http://d")  # type: ignore[arg-type]
     else:
-        proxy = sv.push_proxy(c, "http://p", "http://d", "engine-p", "127.0.0.1", 5600, 1)  # type: ignore[arg-type]
+        proxy = sv_proxies.push_proxy(c, "http://p", "http://d", "engine-p", "127.0.0.1", 5600, 1)  # type: ignore[arg-type]
     s = Sample(ok=False, sent=0.0)
     asyncio.run(proxy([1, 2, 3], 128, s))
     assert s.ok
@@ -267,12 +273,12 @@ def test_ours_and_grpc_proxies_pass_the_output_length() -> None:
 
     c, stub = _FakePD(), Stub()
     s = Sample(ok=False, sent=0.0)
-    asyncio.run(sv.ours_proxy(c, stub)([1, 2], 128, s))  # type: ignore[arg-type]
+    asyncio.run(sv_proxies.ours_proxy(c, stub)([1, 2], 128, s))  # type: ignore[arg-type]
     assert stub.assigned == [128] and stub.released == [pb.OUTCOME_OK] and s.transfer_id == "t1"
     assert [x[:2] for x in c.once_calls] == [("http://p", 1)]
     assert [x[:2] for x in c.stream_calls] == [("http://d", 128)]
     g = Sample(ok=False, sent=0.0)
-    asyncio.run(sv.grpc_proxy(stub)([1, 2], 16, g))
+    asyncio.run(sv_proxies.grpc_proxy(stub)([1, 2], 16, g))
     assert stub.generated == [16] and g.ok and g.tokens == 16 and g.transfer_id == "t2"
     assert g.gap2 >= 0 and not math.isnan(g.tpot_rest)
 
@@ -312,7 +318,7 @@ def test_ours_ft_proxy_puts_prefills_token_first_and_times_the_gap_to_decodes() 
 
     c = Client()
     s = Sample(ok=False, sent=0.0)
-    asyncio.run(sv.ours_ft_proxy(c, Stub())([1, 2], 4, s))  # type: ignore[arg-type]
+    asyncio.run(sv_proxies.ours_ft_proxy(c, Stub())([1, 2], 4, s))  # type: ignore[arg-type]
     assert c.decode_max_tokens == [3] and s.ok and s.tokens == 4
     assert s.gap2 > 1e6  # prefill's token (now) to decode's first (far later)
     assert s.tpot_rest == pytest.approx(1.0)  # decode's own tokens, 1 s apart
@@ -351,17 +357,19 @@ def test_flags() -> None:
 
 
 def _res(results: dict[str, list[PointResult]], slo: Slo | None) -> dict[str, Any]:
-    model = sv.ModelInfo(layers=2, kv_heads=4, head_dim=32, dtype_bytes=2, vocab=1000, max_positions=4096)
-    derived = sv.derive(results, {}, model)
+    model = sv_model.ModelInfo(layers=2, kv_heads=4, head_dim=32, dtype_bytes=2, vocab=1000, max_positions=4096)
+    derived = sv_report.derive(results, {}, model)
     res = {
         "host": "test",
         "config": {"model_dir": "m", "model": asdict(model), "output_lens": [16], "prefill_core": 0, "decode_core": 1},
         "results": {k: [asdict(r) for r in v] for k, v in results.items()},
         "derived": derived,
         "slo": {"source": "test", "attainment_target": 0.9, "per_prompt_len": {"1024": asdict(slo) if slo else None}},
-        "goodput": sv.goodput_summary(results),
-        "goodput_by_tpot_slo": sv.tpot_slo_sweep(results, {1024: slo}, {1024: {"tpot_ms": 10.0}}, factors=(1.25, 3.0)),
-        "goals": sv.goals(results, derived),
+        "goodput": sv_slo.goodput_summary(results),
+        "goodput_by_tpot_slo": sv_slo.tpot_slo_sweep(
+            results, {1024: slo}, {1024: {"tpot_ms": 10.0}}, factors=(1.25, 3.0)
+        ),
+        "goals": sv_report.goals(results, derived),
     }
     out: dict[str, Any] = sv._jsonable(res)
     return out
@@ -369,8 +377,8 @@ def _res(results: dict[str, list[PointResult]], slo: Slo | None) -> dict[str, An
 
 def test_markdown_shows_two_plain_and_goodput(tmp_path: Path) -> None:
     results = _sweep()
-    sv.apply_slo(results, {1024: SLO})
-    md = sv.markdown(_res(results, SLO))
+    sv_slo.apply_slo(results, {1024: SLO})
+    md = sv_report.markdown(_res(results, SLO))
     assert "| 1024 | 16 | 2 | 10 | two_plain | 10 |" in md
     assert md.count("| prefill_only |") == 1  # the max_tokens=1 reference, once per prompt length and rate
     assert "| 1024 | 1 | 1 | 10 | prefill_only | 10 |" in md
@@ -385,15 +393,15 @@ def test_markdown_shows_two_plain_and_goodput(tmp_path: Path) -> None:
     assert "across TPOT targets" in md
     tight = next(line for line in md.splitlines() if line.startswith("| 1024 | 16 | 1.25 × unloaded | 12.5 |"))
     assert [c.strip() for c in tight.strip("|").split("|")][4] == "1 (" + f"{results['single'][0].goodput_rps:.2f})"
-    written = sv.plots(_res(results, SLO), tmp_path, "t")
+    written = sv_report.plots(_res(results, SLO), tmp_path, "t")
     assert sorted(Path(p).name for p in written) == ["t_goodput.png", "t_tpot.png", "t_ttft.png"]
     assert all(Path(p).stat().st_size > 0 for p in written)
 
 
 def test_markdown_without_slo_says_so() -> None:
     results = _sweep()
-    sv.apply_slo(results, {1024: None})
-    md = sv.markdown(_res(results, None))
+    sv_slo.apply_slo(results, {1024: None})
+    md = sv_report.markdown(_res(results, None))
     assert "SLOs unknown" in md
     assert "| 1024 | 16 | 2 | 10 | two_plain | 10 |" in md
 
@@ -406,9 +414,9 @@ def test_tpot_slo_sweep_says_where_each_setup_meets_which_target() -> None:
     for name, tpot in (("single", 20.0), ("two_plain", 12.0)):
         for r in results[name]:
             r.req_tpot_ms = [tpot] * len(r.req_tpot_ms)
-    sv.apply_slo(results, {1024: SLO})
+    sv_slo.apply_slo(results, {1024: SLO})
     before = [(r.slo_tpot_ms, r.slo_met) for r in results["single"]]
-    rows = sv.tpot_slo_sweep(results, {1024: SLO}, {1024: {"tpot_ms": 10.0}}, factors=(1.25, 3.0))
+    rows = sv_slo.tpot_slo_sweep(results, {1024: SLO}, {1024: {"tpot_ms": 10.0}}, factors=(1.25, 3.0))
     assert [(r["tpot_factor"], r["slo_tpot_ms"]) for r in rows] == [(1.25, 12.5), (3.0, 30.0)]
     tight, loose = rows
     assert tight["slo_ttft_ms"] == SLO.ttft_ms
@@ -418,7 +426,7 @@ def test_tpot_slo_sweep_says_where_each_setup_meets_which_target() -> None:
     assert loose["setups"]["single"]["max_rate"] == 1.0
     assert loose["setups"]["two_plain"]["max_rate"] == 2.0
     assert [(r.slo_tpot_ms, r.slo_met) for r in results["single"]] == before
-    assert sv.tpot_slo_sweep(results, {1024: None}, {1024: {"tpot_ms": 10.0}}) == []
+    assert sv_slo.tpot_slo_sweep(results, {1024: None}, {1024: {"tpot_ms": 10.0}}) == []
 
 
 # ----- interleaved setups ------------------------------------------------------------------------------
@@ -442,20 +450,22 @@ def test_summarize_with_a_share_scales_throughput_and_goodput() -> None:
         s = Sample(ok=True, sent=float(i))
         s.ttft, s.tpot, s.done = 0.1, 0.01, float(i) + 1.0
         samples.append(s)
-    whole, third = sv.summarize("ours", pt, samples), sv.summarize("ours", pt, samples, share=1 / 3)
+    whole, third = sv_model.summarize("ours", pt, samples), sv_model.summarize("ours", pt, samples, share=1 / 3)
     assert whole.duration_s == pytest.approx(2.0) and whole.throughput_rps == pytest.approx(1.0)
     assert third.throughput_rps == pytest.approx(3.0) and third.share == pytest.approx(1 / 3)
     results = {"ours": [third]}
-    sv.apply_slo(results, {1024: SLO})
+    sv_slo.apply_slo(results, {1024: SLO})
     assert third.slo_met == 2 and third.goodput_rps == pytest.approx(3.0)
-    [row] = sv.tpot_slo_sweep(results, {1024: SLO}, {1024: {"tpot_ms": 10.0}}, factors=(3.0,))
+    [row] = sv_slo.tpot_slo_sweep(results, {1024: SLO}, {1024: {"tpot_ms": 10.0}}, factors=(3.0,))
     assert row["setups"]["ours"]["goodput_rps_at_max_rate"] == pytest.approx(3.0)
 
 
 class _FakeHarness:
     def __init__(self, tmp_path: Path) -> None:
         self.args = sv.parse_args(["--seed", "0", "--settle-s", "0"])
-        self.model = sv.ModelInfo(layers=2, kv_heads=4, head_dim=32, dtype_bytes=2, vocab=1000, max_positions=4096)
+        self.model = sv_model.ModelInfo(
+            layers=2, kv_heads=4, head_dim=32, dtype_bytes=2, vocab=1000, max_positions=4096
+        )
         self.notes: list[str] = []
 
     def note(self, msg: str) -> None:
@@ -465,7 +475,7 @@ class _FakeHarness:
 def test_measure_interleaved_sends_each_setup_its_own_requests_in_one_stream(tmp_path: Path) -> None:
     seen: dict[str, list[tuple[int, float]]] = {"a": [], "b": [], "c": []}
 
-    def fake(name: str) -> sv.Proxy:
+    def fake(name: str) -> sv_proxies.Proxy:
         async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
             seen[name].append((prompt[0], s.sent))
             s.ok, s.ttft, s.tpot, s.done = True, 0.01, 0.001, s.sent + 0.02
