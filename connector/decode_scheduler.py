@@ -96,6 +96,10 @@ class DecodeScheduler:
         # Duplicates of hand-off legs, claimed as loads that are reported failed at once: served
         # locally they would repeat the first token the frontend streamed.
         self._fail_loads: list[str] = []
+        # Requests that ask for the hand-off but cannot have it here (their leg was refused, e.g.
+        # expired while they queued, or the agent is not up): claimed as loads to fail, for the same
+        # reason. request id -> (transfer id, why)
+        self._handoff_refused: dict[str, tuple[str | None, str]] = {}
 
     # ----- start-up -----------------------------------------------------------------------
 
@@ -227,12 +231,22 @@ class DecodeScheduler:
     # ----- hooks --------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self.agent is None or request.request_id in self._tried:
-            return 0, False  # no agent yet, or already tried: compute locally
-        leg = self.legs.of(request)
-        if not isinstance(leg, DecodeLeg):
-            return 0, False  # not ours: compute locally
+        rid = request.request_id
+        if rid in self._tried:
+            return 0, False  # already tried: compute locally
         n = request.num_prompt_tokens - num_computed_tokens
+        if rid in self._handoff_refused:
+            return (n, True) if n > 0 else (0, False)
+        leg = self.legs.of(request)
+        if not isinstance(leg, DecodeLeg) or self.agent is None:
+            # Not ours, or no agent yet: compute locally, unless the frontend may have streamed
+            # prefill's token (then the request is claimed as a load that fails, see update_state_after_alloc).
+            claims, tid = (True, leg.transfer_id) if isinstance(leg, DecodeLeg) else self.legs.claims_handoff(request)
+            if not claims or (isinstance(leg, DecodeLeg) and not leg.first_token):
+                return 0, False
+            why = "no decode agent yet" if isinstance(leg, DecodeLeg) else "its leg was refused"
+            self._handoff_refused[rid] = (tid, why)
+            return (n, True) if n > 0 else (0, False)
         if self._is_duplicate(request) and not leg.first_token:
             # Another live request holds its transfer id: compute locally. A hand-off leg (the
             # frontend streams prefill's token and asked for one token less) is claimed instead and
@@ -256,6 +270,15 @@ class DecodeScheduler:
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
+        refused = self._handoff_refused.get(rid)
+        if refused is not None:  # claimed as a load to fail (get_num_new_matched_tokens)
+            tid, why = refused
+            if num_external_tokens:
+                self._fail_loads.append(rid)
+                log.warning("first_token_handoff_refused", transfer_id=tid, request_id=rid, reason=why)
+            else:  # vLLM computes it locally after all: nothing here can stop that
+                log.error("first_token_handoff_computed_locally", transfer_id=tid, request_id=rid)
+            return
         leg = self.legs.of(request)
         if not isinstance(leg, DecodeLeg) or rid in self._tried or self.agent is None:
             return
@@ -366,6 +389,7 @@ class DecodeScheduler:
         self._unfilled.pop(rid, None)
         self._tried.discard(rid)
         self._duplicates.discard(rid)
+        self._handoff_refused.pop(rid, None)
         self._advance.discard(rid)
         if self._want_token.pop(rid, None) is not None:
             self._abandoned.append(rid)  # its worker stops waiting for the token

@@ -84,6 +84,20 @@ class LegGate:
     def forget(self, request_id: str) -> None:
         self._legs.pop(request_id, None)
 
+    @staticmethod
+    def claims_handoff(request: Any) -> tuple[bool, str | None]:
+        """Whether a request's params say it takes the first-token hand-off (``first_token`` true),
+        whatever became of its leg, and their transfer id (for logs). A request whose leg was
+        refused is asked this: its frontend may have streamed prefill's token already, so it must
+        never be computed as if there were none. Never raises."""
+        try:
+            params = request.kv_transfer_params
+            fields = params.get(KEY) if isinstance(params, dict) else None
+            claims = isinstance(fields, dict) and fields.get("first_token") is True
+        except Exception:  # hostile input: any shape at all
+            return False, None
+        return claims, _transfer_id_of(params) if claims else None
+
     def _check(self, request: Any, rid: Any) -> Leg | None:
         params: Any = None
         error: Exception

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -149,3 +150,44 @@ def test_a_duplicate_handoff_decode_leg_fails_and_never_repeats_the_first_token(
     assert first + rest == want
     log = cluster.decode.log_path.read_text(errors="replace")
     assert log.count("first_token_handoff_refused") == refused_before + 1
+
+
+def test_an_expired_handoff_decode_leg_fails_instead_of_repeating_the_first_token(cluster: PDCluster) -> None:
+    """A hand-off decode leg that expired while its request queued (or any leg decode refuses) is
+    not served as on a plain instance, where decode would sample a first token of its own after the
+    one the frontend streamed from prefill: the request fails at once. The same expired leg without
+    the hand-off is computed locally, as before, and gives one instance's tokens."""
+    from dataclasses import asdict, replace
+
+    from google.protobuf.json_format import MessageToDict
+
+    from kvpush.services.common.leg_signing import LegSigner
+    from kvpush.services.common.transfer_params import parse
+    from kvpush.services.common.vllm_server import VllmServerError, complete
+    from kvpush.v1 import kvpush_pb2 as pb
+
+    assert cluster.baseline is not None and cluster.scheduler.leg_signing_key is not None
+    signer = LegSigner.from_file(cluster.scheduler.leg_signing_key)
+    prompt = _random_prompt(random.Random(123), 1000)
+    want = _tokens(_complete(cluster.baseline, prompt, MAX_TOKENS))
+    a = cluster.stub.Assign(
+        pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=MAX_TOKENS, first_token_from_prefill=True), timeout=10
+    )
+    assert a.first_token_from_prefill
+    leg = parse(MessageToDict(a.decode_kv_transfer_params))
+    assert leg is not None and leg.first_token
+    log_before = cluster.decode.log_path.read_text(errors="replace")
+    expired = {"kvpush": asdict(signer.sign_leg(leg, expires_at=time.time() - 600))}
+    with pytest.raises(VllmServerError):
+        complete(a.decode.http_endpoint, prompt, MAX_TOKENS - 1, expired, timeout=60)
+    plain = {"kvpush": asdict(signer.sign_leg(replace(leg, first_token=False), expires_at=time.time() - 600))}
+    assert complete(a.decode.http_endpoint, prompt, MAX_TOKENS, plain, timeout=60)[0] == want
+    cluster.stub.Release(
+        pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_FAILED), timeout=10
+    )
+    log = cluster.decode.log_path.read_text(errors="replace")[len(log_before) :]
+    refused = [line for line in log.splitlines() if "first_token_handoff_refused" in line]
+    assert len(refused) == 1 and "its leg was refused" in refused[0]
+    assert log.count("leg_refused") == 2 and "first_token_handoff_computed_locally" not in log
+    # The engine keeps serving: the next request through the scheduler is one instance's.
+    assert cluster.generate_timed(prompt, MAX_TOKENS).tokens == want

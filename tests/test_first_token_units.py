@@ -5,10 +5,12 @@ landed transfer until its token came."""
 from __future__ import annotations
 
 import time
+from dataclasses import asdict, replace
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -16,9 +18,11 @@ from vllm.v1.request import Request
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.decode_scheduler import DecodeScheduler, append_first_token
+from kvpush.connector.legs import LegGate
 from kvpush.connector.sampler_state import WORKER_QUALNAME
 from kvpush.connector.workers import DecodeWorker
 from kvpush.services.common import transfer_params
+from kvpush.services.common.leg_signing import LegSigner, LegVerifier
 from kvpush.services.common.transfer_params import DecodeLeg, LegError, PrefillLeg, canonical_bytes, to_params
 from kvpush.services.decode_agent.barrier import Outcome, Released
 from kvpush.services.decode_agent.cadence import PollCadence
@@ -273,6 +277,92 @@ def test_a_duplicate_handoff_leg_fails_instead_of_repeating_the_token() -> None:
     s._first_tokens([_token(token=7)])
     assert _step(s).first_token_delivered == ["r1"] and first.prompt_token_ids[-1] == 7
     assert dup.prompt_token_ids[-1] != 7
+
+
+def _signed_decode() -> tuple[DecodeScheduler, _Agent, LegSigner]:
+    """A decode scheduler half that verifies legs with a scheduler key, as deployed."""
+    signer = LegSigner(Ed25519PrivateKey.generate(), ttl_s=60)
+    s, agent = _decode()
+    s.legs = LegGate(s.cfg, verifier=LegVerifier(signer.public_key()))
+    return s, agent, signer
+
+
+def _with_leg(rid: str, fields: dict[str, Any]) -> Request:
+    r = _request(rid, list(range(3, 40)), None)
+    r.kv_transfer_params = {"kvpush": fields}
+    return r
+
+
+@pytest.mark.parametrize("refusal", ["expired", "tampered", "unsigned"])
+def test_a_refused_handoff_leg_fails_instead_of_repeating_the_token(refusal: str) -> None:
+    """A hand-off leg this engine refuses (expired while its request queued, tampered, unsigned)
+    would otherwise be computed as on a plain instance: decode would sample a first token of its
+    own after the one the frontend streamed. It is claimed as a load that fails at once instead;
+    nothing is reserved and nothing of it is dialed."""
+    from structlog.testing import capture_logs
+
+    s, agent, signer = _signed_decode()
+    leg = replace(_leg(), decode_engine_id="d0")
+    signed = asdict(signer.sign_leg(leg, expires_at=time.time() - 600 if refusal == "expired" else None))
+    fields = {
+        "expired": signed,
+        "tampered": {**signed, "prefill_agent_endpoints": ["127.0.0.1:9"]},
+        "unsigned": asdict(leg),
+    }[refusal]
+    r = _with_leg("r", fields)
+    with capture_logs() as logs:
+        assert s.legs.of(r) is None
+    reason = {"expired": "expired", "tampered": "bad_signature", "unsigned": "unsigned"}[refusal]
+    assert [(e["event"], e["reason"]) for e in logs] == [("leg_refused", reason)]
+    assert s.get_num_new_matched_tokens(r, 0) == (37, True)
+    assert s.get_num_new_matched_tokens(r, 0) == (37, True)  # asked again while vLLM finds blocks
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    meta = _step(s)
+    assert meta.fail_loads == ["r"] and meta.awaiting_first_token == [] and agent.prompts == {}
+    w, _ = _worker()
+    w.wait_for_save(meta)
+    out = w.transfer_results()
+    assert out.finished_recving == {"r"} and out.failed_recving == {"r"}
+    s.request_finished(r)
+    assert s._handoff_refused == {} and s._tried == set()
+
+
+def test_a_refused_leg_without_the_handoff_is_still_computed_locally() -> None:
+    s, agent, signer = _signed_decode()
+    expired = asdict(signer.sign_leg(replace(_leg(first_token=False), decode_engine_id="d0"), expires_at=1.0))
+    r = _with_leg("r", expired)
+    assert s.legs.of(r) is None
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    s.update_state_after_alloc(r, _Blocks(), 0)
+    assert _step(s).fail_loads == [] and s._handoff_refused == {}
+    # A well-formed signed hand-off leg is claimed as a transfer, as before.
+    ok = _with_leg("ok", asdict(signer.sign_leg(replace(_leg(tid="t2"), decode_engine_id="d0"))))
+    assert s.get_num_new_matched_tokens(ok, 0) == (37, True)
+    s.update_state_after_alloc(ok, _Blocks(), 37)
+    assert list(agent.prompts) == ["t2"] and _step(s).awaiting_first_token == ["ok"]
+
+
+def test_a_handoff_leg_before_the_agent_is_up_fails_too() -> None:
+    from structlog.testing import capture_logs
+
+    s, _ = _decode()
+    s.agent = None
+    plain, handoff = (
+        _request("p", list(range(3, 40)), _leg(first_token=False)),
+        _request("h", list(range(3, 40)), _leg()),
+    )
+    assert s.get_num_new_matched_tokens(plain, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(handoff, 0) == (37, True)
+    with capture_logs() as logs:
+        s.update_state_after_alloc(handoff, _Blocks(), 37)
+    assert _step(s).fail_loads == ["h"]
+    assert [(e["event"], e["reason"]) for e in logs] == [("first_token_handoff_refused", "no decode agent yet")]
+    # All of its prompt cached here already: vLLM computes the last token itself, never silently.
+    whole = _request("w", list(range(3, 40)), _leg(tid="t3"))
+    assert s.get_num_new_matched_tokens(whole, 37) == (0, False)
+    with capture_logs() as logs:
+        s.update_state_after_alloc(whole, _Blocks(), 0)
+    assert [e["event"] for e in logs if e["log_level"] == "error"] == ["first_token_handoff_computed_locally"]
 
 
 def test_a_duplicate_leg_without_the_handoff_is_still_computed_locally() -> None:
