@@ -93,13 +93,12 @@ class DecodeScheduler:
         self._delivered: list[str] = []  # tokens appended this step
         self._advance: set[str] = set()  # seeded requests to advance when they are first scheduled
         self._abandoned: list[str] = []  # ended while waiting for their token
-        # Duplicates of hand-off legs, claimed as loads that are reported failed at once: served
-        # locally they would repeat the first token the frontend streamed.
-        self._fail_loads: list[str] = []
         # Requests that ask for the hand-off but cannot have it here (their leg was refused, e.g.
-        # expired while they queued, or the agent is not up): claimed as loads to fail, for the same
-        # reason. request id -> (transfer id, why)
+        # expired while they queued; the agent is not up; a duplicate of a live request's leg):
+        # served locally they would repeat the first token the frontend streamed, so they are
+        # claimed as loads that are reported failed at once. request id -> (transfer id, why)
         self._handoff_refused: dict[str, tuple[str | None, str]] = {}
+        self._fail_loads: list[str] = []
 
     # ----- start-up -----------------------------------------------------------------------
 
@@ -237,21 +236,22 @@ class DecodeScheduler:
         n = request.num_prompt_tokens - num_computed_tokens
         if rid in self._handoff_refused:
             return (n, True) if n > 0 else (0, False)
+        # A request this engine cannot serve as a transfer (its leg refused, no agent yet, another
+        # live request holds its transfer id) is computed locally, unless it asks for the hand-off:
+        # its frontend may have streamed prefill's token, so it is claimed as a load that fails
+        # instead (update_state_after_alloc).
         leg = self.legs.of(request)
-        if not isinstance(leg, DecodeLeg) or self.agent is None:
-            # Not ours, or no agent yet: compute locally, unless the frontend may have streamed
-            # prefill's token (then the request is claimed as a load that fails, see update_state_after_alloc).
-            claims, tid = (True, leg.transfer_id) if isinstance(leg, DecodeLeg) else self.legs.claims_handoff(request)
-            if not claims or (isinstance(leg, DecodeLeg) and not leg.first_token):
-                return 0, False
-            why = "no decode agent yet" if isinstance(leg, DecodeLeg) else "its leg was refused"
-            self._handoff_refused[rid] = (tid, why)
+        if not isinstance(leg, DecodeLeg):
+            (handoff, tid), why = self.legs.claims_handoff(request), "its leg was refused"
+        elif self.agent is None:
+            handoff, tid, why = leg.first_token, leg.transfer_id, "no decode agent yet"
+        elif self._is_duplicate(request):
+            handoff, tid, why = leg.first_token, leg.transfer_id, "another live request holds its transfer id"
+        else:
             return (n, True) if n > 0 else (0, False)
-        if self._is_duplicate(request) and not leg.first_token:
-            # Another live request holds its transfer id: compute locally. A hand-off leg (the
-            # frontend streams prefill's token and asked for one token less) is claimed instead and
-            # fails, through a load that is reported failed at once.
+        if not handoff:
             return 0, False
+        self._handoff_refused[rid] = (tid, why)
         return (n, True) if n > 0 else (0, False)
 
     def _is_duplicate(self, request: Any) -> bool:
@@ -281,18 +281,6 @@ class DecodeScheduler:
             return
         leg = self.legs.of(request)
         if not isinstance(leg, DecodeLeg) or rid in self._tried or self.agent is None:
-            return
-        if rid in self._duplicates and leg.first_token:  # claimed as a load to fail (get_num_new_matched_tokens)
-            if num_external_tokens:
-                self._fail_loads.append(rid)
-                log.warning(
-                    "first_token_handoff_refused",
-                    transfer_id=leg.transfer_id,
-                    request_id=rid,
-                    reason="another live request holds its transfer id",
-                )
-            else:  # vLLM computes it locally after all: nothing here can stop that
-                log.error("first_token_handoff_computed_locally", transfer_id=leg.transfer_id, request_id=rid)
             return
         if num_external_tokens == 0 and self._is_duplicate(request):
             return  # computed locally; releasing the prefill KV would take it from the holder
