@@ -137,6 +137,7 @@ class DecodeScheduler:
             on_first_tokens=self._first_tokens,
             first_token_handoff=self._handoff_problem is None,
             vocab_size=self._vocab_size,
+            leg_keys=self.legs.mac_keys,
         )
 
     def _first_tokens(self, tokens: list[pb.FirstToken]) -> None:

@@ -2,7 +2,7 @@
 
 ``LegGate.of(request)`` returns the request's leg only when it is well formed (``parse``), for this
 engine and role, and, with ``leg_public_key_file`` configured, signed by the scheduler and not
-expired. Anything else is refused: one ``leg_refused`` log line, one count in
+expired (or MACed with this engine's key: ``leg_macs``). Anything else is refused: one ``leg_refused`` log line, one count in
 ``kvpush_connector_legs_refused_total{role,reason}``, and the request is served as a plain instance
 would (decode computes the prompt locally, prefill pushes nothing). It never raises: vLLM calls the
 hooks from its engine loop, where an exception kills the EngineCore.
@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import Counter
 
 from kvpush.connector.config import ConfigError, ConnectorConfig
+from kvpush.services.common.leg_macs import EngineKeyRing
 from kvpush.services.common.leg_signing import LegRefused, LegVerifier, check_leg
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.transfer_params import KEY, MAX_ID_CHARS, Leg, LegError, parse
@@ -31,18 +32,24 @@ _CACHE_LIMIT = 1 << 16  # verified legs kept per engine; entries go when their r
 
 
 def leg_verifier(cfg: ConnectorConfig) -> LegVerifier | None:
-    """The verifier of ``cfg.leg_public_key_file``; None with ``insecure=true`` and no key file.
-    Raises ConfigError at start-up when neither is configured or the key cannot be loaded."""
+    """The verifier of this engine's legs: signed legs with ``cfg.leg_public_key_file``, MACed legs
+    with the key its registration brings (only over mutual TLS to a scheduler: ``tls_*`` files and
+    ``scheduler_address``). None with ``insecure=true`` and no key file. Raises ConfigError at
+    start-up when nothing can verify a leg or the key cannot be loaded."""
+    mac_keys = EngineKeyRing() if cfg.tls_cert_file and cfg.scheduler_address else None
     if cfg.leg_public_key_file:
         try:
-            return LegVerifier.from_file(cfg.leg_public_key_file)
+            return LegVerifier.from_file(cfg.leg_public_key_file, mac_keys=mac_keys)
         except ValueError as exc:
             raise ConfigError(f"kv_connector_extra_config['leg_public_key_file']: {exc}") from exc
     if not cfg.insecure:
+        if mac_keys is not None:
+            return LegVerifier(None, mac_keys=mac_keys)  # MACed legs only (a scheduler with --leg-mac-key)
         raise ConfigError(
             "KvPushConnector needs kv_connector_extra_config['leg_public_key_file'] (the scheduler's leg "
-            "signing public key, e.g. /etc/kvpush/leg-signing.pub) to verify kv_transfer_params; set "
-            "insecure=true to accept unsigned legs (development only)"
+            "signing public key, e.g. /etc/kvpush/leg-signing.pub), or a scheduler_address over mutual TLS "
+            "(for MACed legs), to verify kv_transfer_params; set insecure=true to accept unsigned legs "
+            "(development only)"
         )
     log.warning("legs_unverified", engine_id=cfg.engine_id, reason="insecure=true and no leg_public_key_file")
     return None
@@ -80,6 +87,11 @@ class LegGate:
                 self._legs.clear()  # only a leak upstream gets here; checking again is safe
             self._legs[rid] = leg
         return leg
+
+    @property
+    def mac_keys(self) -> EngineKeyRing | None:
+        """Where this engine's registration puts its leg MAC key (None: MACed legs are not verified)."""
+        return self.verifier.mac_keys if self.verifier is not None else None
 
     def forget(self, request_id: str) -> None:
         self._legs.pop(request_id, None)

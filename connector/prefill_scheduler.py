@@ -57,6 +57,7 @@ class PrefillScheduler:
             self._load,
             on_leg_failures=self._leg_failures,
             vocab_size=self._vocab_size,
+            leg_keys=self.legs.mac_keys,
         )
 
     def _leg_failures(self, failures: list[pb.LegFailure]) -> None:

@@ -22,6 +22,7 @@ import grpc
 from kvpush.connector.config import ConnectorConfig
 from kvpush.services.common import limits
 from kvpush.services.common.grpc_util import CHANNEL_OPTIONS
+from kvpush.services.common.leg_macs import EngineKeyRing
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.security import Security
 from kvpush.v1 import kvpush_pb2 as pb
@@ -54,8 +55,10 @@ class Registration:
         security: Security | None = None,
         on_leg_failures: Callable[[list[pb.LegFailure]], None] | None = None,
         on_first_tokens: Callable[[list[pb.FirstToken]], None] | None = None,
+        leg_keys: EngineKeyRing | None = None,
     ) -> None:
-        """``on_leg_failures``: called (on this thread) with what the scheduler pushes on the load
+        """``leg_keys``: where the leg MAC key a registration brings goes (the connector's verifier).
+        ``on_leg_failures``: called (on this thread) with what the scheduler pushes on the load
         stream: assignments of this engine whose other leg could not be delivered (to a decode
         engine, undelivered prefill legs; to a prefill engine, undelivered decode legs)."""
         self.cfg = cfg
@@ -66,6 +69,7 @@ class Registration:
         self.load = load
         self.on_leg_failures = on_leg_failures
         self.on_first_tokens = on_first_tokens  # decode: relayed first tokens, on this thread
+        self.leg_keys = leg_keys
         self._stop = threading.Event()
         self._wake = threading.Event()  # a report to send now: first tokens, or stop
         self._lock = threading.Lock()
@@ -131,6 +135,15 @@ class Registration:
         if keep:
             log.info("first_tokens_resent", count=len(keep))
 
+    def _take_leg_key(self, key: bytes) -> None:
+        """Keeps the leg MAC key a registration brought (never logged: it is a secret)."""
+        if not key:
+            return
+        if self.leg_keys is None:
+            log.warning("leg_mac_key_unused", reason="this engine verifies no MACed legs (no mutual TLS)")
+        elif not self.leg_keys.set(key):
+            log.warning("leg_mac_key_refused", reason=f"{len(key)} bytes, not a key")
+
     def _reports(self, interval_s: float, stream: _Stream) -> Iterator[pb.LoadReport]:
         while not self._stop.is_set():
             report = self.load()
@@ -156,6 +169,7 @@ class Registration:
                 stub = pb_grpc.SchedulerStub(channel)
                 resp = stub.Register(pb.RegisterRequest(instance=self.info), timeout=5)
                 interval = min(self.cfg.load_report_ms / 1e3, max(0.05, resp.lease_interval_ms / 1e3 / 2))
+                self._take_leg_key(resp.leg_mac_key)
                 self.registered.set()
                 log.info("registered", scheduler=self.cfg.scheduler_address, engine_id=self.info.engine_id)
                 backoff = 0.2
@@ -205,6 +219,7 @@ def register_engine(
     on_first_tokens: Callable[[list[pb.FirstToken]], None] | None = None,
     first_token_handoff: bool = False,
     vocab_size: int = 0,
+    leg_keys: EngineKeyRing | None = None,
 ) -> Registration | None:
     """Registers the engine with the kvpush scheduler and keeps its load stream, when configured."""
     if not cfg.scheduler_address:
@@ -224,7 +239,9 @@ def register_engine(
         first_token_handoff=first_token_handoff,
         vocab_size=vocab_size,
     )
-    return Registration(cfg, info, load, on_leg_failures=on_leg_failures, on_first_tokens=on_first_tokens).start()
+    return Registration(
+        cfg, info, load, on_leg_failures=on_leg_failures, on_first_tokens=on_first_tokens, leg_keys=leg_keys
+    ).start()
 
 
 def model_vocab_size(vllm_config: Any) -> int:

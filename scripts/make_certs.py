@@ -5,7 +5,8 @@ for ``scheduler``, each ``--frontend`` name and each engine given on the command
 ``ROLE/ENGINE_ID`` or an engine id starting with ``prefill`` or ``decode`` (default:
 ``prefill-0 decode-0``). Every certificate carries the URI SAN ``spiffe://kvpush/<role>/<name>``,
 DNS ``localhost``, IP ``127.0.0.1`` and each ``--host``; ECDSA P-256; keys are written 0600. Also the
-scheduler's leg-signing pair ``leg-signing.key`` / ``leg-signing.pub`` (kvpush.services.common.leg_signing).
+scheduler's leg-signing pair ``leg-signing.key`` / ``leg-signing.pub`` (kvpush.services.common.leg_signing)
+and its leg MAC master ``leg-mac.key`` (kvpush.services.common.leg_macs).
 
 Idempotent: an existing CA is kept (``--force`` replaces it and every certificate), and an existing
 certificate is kept when it is from this CA and already names every requested host. For tests,
@@ -220,6 +221,10 @@ def _leg_signing_keys(out: Path, force: bool) -> None:
         return
     if force or not (out / leg_signing.KEY_FILE).exists():
         leg_signing.write_keypair(out, overwrite=True)
+    from kvpush.services.common import leg_macs
+
+    if force or not (out / leg_macs.MASTER_FILE).exists():
+        leg_macs.write_master(out, overwrite=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -11,8 +11,8 @@ from typing import Any
 
 import grpc
 
-from kvpush.services.common.leg_signing import LegSigner
 from kvpush.services.common.security import Security
+from kvpush.services.scheduler.convert import LegSealer
 from kvpush.services.scheduler.registry import LeaseConfig
 from kvpush.services.scheduler.server import SchedulerConfig, SchedulerServer
 from kvpush.services.scheduler.servicer import ServicerConfig
@@ -34,7 +34,7 @@ async def scheduler(
     policy: str = "p2c",
     security: Security | None = None,
     client: Security | None = None,
-    leg_signer: LegSigner | None = None,
+    leg_signer: LegSealer | None = None,
     **servicer: Any,
 ) -> AsyncIterator[tuple[SchedulerServer, pb_grpc.SchedulerStub, grpc.aio.Channel]]:
     """``security``: the server's (None: plaintext); ``client``: the returned channel's (None:

@@ -32,7 +32,7 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
-    with pd_cluster(tiny_model_dir, tmp_path_factory.mktemp("pd-logs")) as c:
+    with pd_cluster(tiny_model_dir, tmp_path_factory.mktemp("pd-logs"), legs="mac") as c:
         yield c
 
 

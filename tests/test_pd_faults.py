@@ -30,7 +30,7 @@ FENCE = {"write_lease_s": 0.5, "write_timeout_s": 1.5, "grace_s": 0.2}
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
-    with pd_cluster(tiny_model_dir, tmp_path_factory.mktemp("pd-faults"), prefills=2, extra=FENCE) as c:
+    with pd_cluster(tiny_model_dir, tmp_path_factory.mktemp("pd-faults"), prefills=2, extra=FENCE, legs="mac") as c:
         yield c
 
 

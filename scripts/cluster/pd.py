@@ -21,7 +21,7 @@ from kvpush.services.common.vllm_server import VllmServer, free_port
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from scripts.cluster import REPO
-from scripts.cluster.scheduler import SchedulerProcess, start_scheduler
+from scripts.cluster.scheduler import LegAuthMode, SchedulerProcess, start_scheduler
 from scripts.cluster.vllm import connector_config, cores, omp_bind, ready_timeout_s, start_side_by_side
 
 
@@ -105,13 +105,15 @@ def pd_cluster(
     max_model_len: int = 1024,
     cert_dir: Path | None = None,
     prefills: int = 1,
+    legs: LegAuthMode = "sign",
 ) -> Iterator[PDCluster]:
     """``prefill_tp``/``decode_tp`` > 1 spread that instance's ranks over all cores; ``prefills``
     instances of prefill (prefill-0, prefill-1, ...). Every gRPC hop uses mTLS with certificates from
-    ``cert_dir`` (made if missing; default ``log_dir/certs``)."""
+    ``cert_dir`` (made if missing; default ``log_dir/certs``). ``legs``: how the scheduler
+    authenticates kv_transfer_params legs (``sign``: Ed25519; ``mac``: per-engine HMAC keys)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     on = cores()
-    sched = start_scheduler(log_dir, cert_dir=cert_dir)
+    sched = start_scheduler(log_dir, cert_dir=cert_dir, legs=legs)
     servers: list[tuple[VllmServer, int | None]] = []
     env_common = {
         "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),

@@ -1,5 +1,6 @@
-"""The kvpush scheduler as a local subprocess: leg signing with a fresh Ed25519 pair and mutual
-TLS with development certificates (``scripts/make_certs.py``) unless turned off."""
+"""The kvpush scheduler as a local subprocess: legs signed with a fresh Ed25519 pair (or MACed per
+engine with the development master) and mutual TLS with development certificates
+(``scripts/make_certs.py``) unless turned off."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 
+from kvpush.services.common.leg_macs import MASTER_FILE
 from kvpush.services.common.leg_signing import write_keypair
 from kvpush.services.common.security import Security, TlsFiles
 from kvpush.services.common.vllm_server import free_port
@@ -21,6 +23,8 @@ from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from scripts.cluster import REPO
 from scripts.make_certs import make_certs
+
+LegAuthMode = Literal["sign", "mac", "none"]
 
 
 @dataclass
@@ -31,6 +35,8 @@ class SchedulerProcess:
     # The pair whose private half signs every leg (--leg-signing-key); None: an --insecure scheduler.
     leg_signing_key: Path | None = None
     leg_public_key: Path | None = None
+    # The master from which each engine's leg MAC key is derived (--leg-mac-key); None: not MACed.
+    leg_mac_key: Path | None = None
     # mTLS: the `make certs` directory (scheduler, frontend and engine certificates); None: plaintext.
     cert_dir: Path | None = None
     argv: list[str] = field(default_factory=list)  # how it was started, for restart()
@@ -39,10 +45,11 @@ class SchedulerProcess:
         """The kv_connector_extra_config keys that make a connector verify this scheduler's legs
         and, given its role and engine id, speak mTLS with a certificate of its own (issued here)."""
         extra: dict[str, Any] = {}
-        if self.leg_public_key is None:
-            extra["insecure"] = True
-        else:
+        if self.leg_public_key is not None:
             extra["leg_public_key_file"] = str(self.leg_public_key)
+        elif self.leg_mac_key is None:
+            extra["insecure"] = True
+        # MACed legs: the connector's key comes with its registration (over mTLS), nothing to set.
         if self.cert_dir is None or not engine_id:
             extra["insecure"] = True
             return extra
@@ -91,19 +98,29 @@ class SchedulerProcess:
 
 
 def start_scheduler(
-    log_dir: Path, lease_interval_ms: int = 500, sign_legs: bool = True, cert_dir: Path | None = None, tls: bool = True
+    log_dir: Path,
+    lease_interval_ms: int = 500,
+    legs: LegAuthMode = "sign",
+    cert_dir: Path | None = None,
+    tls: bool = True,
 ) -> SchedulerProcess:
-    """``sign_legs``: a fresh Ed25519 pair under ``log_dir/leg-keys`` signs every leg (connectors get
-    the public key through ``connector_extra()``); False: an ``--insecure`` scheduler, unsigned legs.
-    ``tls``: mutual TLS with the certificates in ``cert_dir`` (made or completed here; default
-    ``log_dir/certs``); False: plaintext gRPC (``--insecure``)."""
+    """``legs``: ``sign``: a fresh Ed25519 pair under ``log_dir/leg-keys`` signs every leg
+    (connectors get the public key through ``connector_extra()``); ``mac``: every leg MACed with its
+    engine's key, derived from ``cert_dir``'s ``leg-mac.key`` (needs ``tls``); ``none``: an
+    ``--insecure`` scheduler, unsigned legs. ``tls``: mutual TLS with the certificates in
+    ``cert_dir`` (made or completed here; default ``log_dir/certs``); False: plaintext gRPC
+    (``--insecure``)."""
     cert_dir = make_certs(cert_dir or log_dir / "certs") if tls else None
     port = free_port()
     address = f"127.0.0.1:{port}"
     log_path = log_dir / "scheduler.log"
-    key = pub = None
-    if sign_legs:
+    key = pub = master = None
+    if legs == "sign":
         key, pub = write_keypair(log_dir / "leg-keys", overwrite=True)
+    elif legs == "mac":
+        if cert_dir is None:
+            raise ValueError("MACed legs need mutual TLS: each engine's key travels in its registration")
+        master = cert_dir / MASTER_FILE
     argv = [
         sys.executable,
         "-m",
@@ -115,10 +132,11 @@ def start_scheduler(
         "--metrics-port",
         "0",
         *(["--leg-signing-key", str(key)] if key is not None else []),
+        *(["--leg-mac-key", str(master)] if master is not None else []),
         *(_tls_flags(TlsFiles.in_dir(cert_dir, "scheduler")) if cert_dir is not None else []),
-        *(["--insecure"] if key is None or cert_dir is None else []),
+        *(["--insecure"] if legs == "none" or cert_dir is None else []),
     ]
-    sched = SchedulerProcess(address, _spawn(argv, log_path), log_path, key, pub, cert_dir, argv)
+    sched = SchedulerProcess(address, _spawn(argv, log_path), log_path, key, pub, master, cert_dir, argv)
     _wait_accepting(sched)
     return sched
 

@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -64,12 +64,17 @@ _PROOF_VERSION = 1
 _STEP = 33  # side byte + SHA-256
 _VERIFIED_ROOTS = 4096  # (root, sig) pairs a verifier remembers as good
 
+if TYPE_CHECKING:
+    from kvpush.services.common.leg_macs import EngineKeyRing
+
 log = get_logger("leg_signing")
+
+LegAuth = tuple[str, str, str]  # what authenticates one leg: its (sig, proof, mac), "" where absent
 
 
 class LegRefused(LegError):
     """A well-formed leg that must not be used. ``reason`` is a short label (metrics, logs):
-    ``unsigned``, ``bad_signature``, ``expired``, ``wrong_engine``, ``wrong_role``."""
+    ``unsigned``, ``no_key``, ``bad_signature``, ``expired``, ``wrong_engine``, ``wrong_role``."""
 
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -198,6 +203,12 @@ class LegSigner:
         root, proofs = merkle_proofs([hashlib.sha256(_LEAF + c).digest() for c in canonical])
         return _b64(self._key.sign(_ROOT_CONTEXT + root)), [_b64(p) for p in proofs]
 
+    def seal_batch_bytes(self, canonical: Sequence[bytes], readers: Sequence[str]) -> list[LegAuth]:
+        """Per leg given as its ``canonical_bytes``: its (sig, proof, mac), the batch signed at once
+        (``readers``, the engines the legs are for, matter only to ``LegMacer``)."""
+        sig, proofs = self.sign_batch(canonical)
+        return [(sig, proof, "") for proof in proofs]
+
     def sign_leg(self, leg: Leg, expires_at: float | None = None) -> Leg:
         """A signed copy of ``leg`` (tests and tools; the scheduler's hot path uses ``seal``)."""
         fields = self.seal(asdict(leg), expires_at)
@@ -208,18 +219,27 @@ class LegSigner:
 
 
 class LegVerifier:
-    """Verifies legs with the scheduler's public key."""
+    """Verifies legs: signed ones with the scheduler's public key, MACed ones with this engine's
+    key from its registration (``kvpush.services.common.leg_macs``). Either may be absent; a leg
+    authenticated by what this verifier lacks is refused as ``no_key``."""
 
     def __init__(
-        self, public_key: Ed25519PublicKey, skew_s: float = DEFAULT_SKEW_S, clock: Callable[[], float] = time.time
+        self,
+        public_key: Ed25519PublicKey | None,
+        skew_s: float = DEFAULT_SKEW_S,
+        clock: Callable[[], float] = time.time,
+        mac_keys: EngineKeyRing | None = None,
     ) -> None:
         self._key = public_key
+        self.mac_keys = mac_keys
         self.skew_s = skew_s
         self._clock = clock
         self._roots: set[tuple[bytes, bytes]] = set()  # (root, sig) pairs whose signature verified
 
     @classmethod
-    def from_file(cls, path: str | os.PathLike[str], skew_s: float = DEFAULT_SKEW_S) -> LegVerifier:
+    def from_file(
+        cls, path: str | os.PathLike[str], skew_s: float = DEFAULT_SKEW_S, mac_keys: EngineKeyRing | None = None
+    ) -> LegVerifier:
         """Loads a PEM (SubjectPublicKeyInfo) Ed25519 public key. Raises ValueError with the file named."""
         try:
             key = serialization.load_pem_public_key(Path(path).read_bytes())
@@ -227,29 +247,45 @@ class LegVerifier:
             raise ValueError(f"leg public key {path}: {exc}") from exc
         if not isinstance(key, Ed25519PublicKey):
             raise ValueError(f"leg public key {path}: not an Ed25519 public key")
-        return cls(key, skew_s)
+        return cls(key, skew_s, mac_keys=mac_keys)
 
     def verify(self, leg: Leg) -> None:
-        """Raises ``LegRefused`` unless ``leg`` carries a valid signature and has not expired."""
-        if not leg.sig:
+        """Raises ``LegRefused`` unless ``leg`` carries a valid signature or MAC and has not expired."""
+        if leg.mac:
+            self._verify_mac(leg)
+        elif leg.sig:
+            self._verify_signature(leg)
+        else:
             raise LegRefused("unsigned", "the leg carries no signature")
+        now = self._clock()
+        if leg.expires_at + self.skew_s < now:
+            raise LegRefused("expired", f"expired {now - leg.expires_at:.1f} s ago")
+
+    def _verify_mac(self, leg: Leg) -> None:
+        if leg.sig or leg.proof:
+            raise LegRefused("bad_signature", "the leg carries a MAC and a signature")
+        if not self.mac_keys:
+            raise LegRefused("no_key", "this engine holds no leg MAC key (none came with its registration)")
+        if not self.mac_keys.verify(canonical_bytes(asdict(leg)), leg.mac):
+            raise LegRefused("bad_signature", "the MAC does not match the leg under this engine's key")
+
+    def _verify_signature(self, leg: Leg) -> None:
+        if self._key is None:
+            raise LegRefused("no_key", "this engine has no leg public key (leg_public_key_file) for signed legs")
         try:
             sig = _unb64(leg.sig)
         except (binascii.Error, ValueError) as exc:
             raise LegRefused("bad_signature", "the signature is not base64url") from exc
         fields = asdict(leg)
         if leg.proof:
-            self._verify_batched(sig, fields, leg.proof)
-        else:
-            try:
-                self._key.verify(sig, canonical_bytes(fields))
-            except InvalidSignature as exc:
-                raise LegRefused("bad_signature", "the signature does not match the leg") from exc
-        now = self._clock()
-        if leg.expires_at + self.skew_s < now:
-            raise LegRefused("expired", f"expired {now - leg.expires_at:.1f} s ago")
+            self._verify_batched(self._key, sig, fields, leg.proof)
+            return
+        try:
+            self._key.verify(sig, canonical_bytes(fields))
+        except InvalidSignature as exc:
+            raise LegRefused("bad_signature", "the signature does not match the leg") from exc
 
-    def _verify_batched(self, sig: bytes, fields: Mapping[str, Any], proof_text: str) -> None:
+    def _verify_batched(self, key: Ed25519PublicKey, sig: bytes, fields: Mapping[str, Any], proof_text: str) -> None:
         try:
             proof = _unb64(proof_text)
         except (binascii.Error, ValueError) as exc:
@@ -258,7 +294,7 @@ class LegVerifier:
         if (root, sig) in self._roots:
             return
         try:
-            self._key.verify(sig, _ROOT_CONTEXT + root)
+            key.verify(sig, _ROOT_CONTEXT + root)
         except InvalidSignature as exc:
             raise LegRefused("bad_signature", "the proof does not lead to a root the signature signs") from exc
         if len(self._roots) >= _VERIFIED_ROOTS:
@@ -298,12 +334,13 @@ def write_keypair(out_dir: str | os.PathLike[str], overwrite: bool = False) -> t
     public_pem = key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    _write(key_path, private_pem, 0o600)
-    _write(pub_path, public_pem, 0o644)
+    write_private(key_path, private_pem, 0o600)
+    write_private(pub_path, public_pem, 0o644)
     return key_path, pub_path
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
+def write_private(path: Path, data: bytes, mode: int) -> None:
+    """Writes ``data`` to ``path`` with exactly ``mode`` (whatever the umask), atomically."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:

@@ -8,7 +8,9 @@ there, so ``parse`` is total: every value is type- and bounds-checked, and anyth
 A leg minted by a scheduler with a signing key carries ``expires_at`` and ``sig``: an Ed25519
 signature over ``canonical_bytes(leg)``, every field but ``sig`` and ``proof``
 (``kvpush.services.common.leg_signing``). A leg minted in a batch (``AssignStream``) also carries
-``proof``: its Merkle inclusion path, and ``sig`` is then the signature of the batch's root.
+``proof``: its Merkle inclusion path, and ``sig`` is then the signature of the batch's root. A
+scheduler with a MAC master instead of a signing key sets ``mac``: an HMAC of the same bytes under
+the key of the engine the leg is for (``kvpush.services.common.leg_macs``).
 
 Two kinds of epoch, on purpose: a leg's ``epoch`` is the scheduler's **assignment** epoch (which
 version of the assignment the leg belongs to: what a frontend passes to ``Release``, and what the
@@ -48,7 +50,8 @@ MAX_PROOF_CHARS = 1024
 _SIGNING_CONTEXT = b"kvpush.leg.v1\n"  # domain separation: these bytes sign nothing else
 _ENDPOINT = re.compile(r"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):([0-9]{1,5})")
 _SIG = re.compile(r"[A-Za-z0-9_-]*")
-_UNSIGNED_FIELDS = frozenset({"sig", "proof"})  # the signature and the path to it sign nothing
+MAX_MAC_CHARS = 64  # base64url of a 32-byte HMAC-SHA256 is 43
+_UNSIGNED_FIELDS = frozenset({"sig", "proof", "mac"})  # the signature, the path to it and the MAC sign nothing
 
 
 class LegError(ValueError):
@@ -70,6 +73,7 @@ class PrefillLeg:
     # to the decode engine (docs/first_token.md).
     first_token: bool = False
     proof: str = ""  # base64url Merkle inclusion proof; set: ``sig`` signs the batch's root
+    mac: str = ""  # base64url HMAC-SHA256 of canonical_bytes(leg) under this engine's key (leg_macs)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class DecodeLeg:
     # prompt once it arrives); the frontend sends this leg with one token less (docs/first_token.md).
     first_token: bool = False
     proof: str = ""
+    mac: str = ""
 
 
 Leg = PrefillLeg | DecodeLeg
@@ -154,16 +159,20 @@ class CanonicalTemplate:
         return b"".join(out)
 
 
-def params_json(canonical: bytes, sig: str = "", proof: str = "") -> str:
+def params_json(canonical: bytes, sig: str = "", proof: str = "", mac: str = "") -> str:
     """A leg's ``kv_transfer_params`` as JSON text (``{"kvpush": {...}}``), from the leg's
-    ``canonical_bytes`` and its ``sig`` and ``proof`` (base64url, so nothing to escape): what
-    ``AssignStream``'s compact answers carry, for a frontend to put into the leg's HTTP body as is.
-    ``parse(json.loads(text))`` is the leg those fields describe (``first_token`` false and empty
-    ``sig``/``proof`` are left out: they are the defaults)."""
-    if not canonical.startswith(_SIGNING_CONTEXT) or not _SIG.fullmatch(sig) or not _SIG.fullmatch(proof):
-        raise ValueError("params_json needs canonical_bytes and base64url sig and proof")
+    ``canonical_bytes`` and its ``sig``, ``proof`` and ``mac`` (base64url, so nothing to escape):
+    what ``AssignStream``'s compact answers carry, for a frontend to put into the leg's HTTP body
+    as is. ``parse(json.loads(text))`` is the leg those fields describe (``first_token`` false and
+    empty ``sig``/``proof``/``mac`` are left out: they are the defaults)."""
+    if not canonical.startswith(_SIGNING_CONTEXT) or not all(_SIG.fullmatch(v) for v in (sig, proof, mac)):
+        raise ValueError("params_json needs canonical_bytes and base64url sig, proof and mac")
     body = canonical[len(_SIGNING_CONTEXT) : -1].decode("ascii")
-    tail = (f',"proof":"{proof}"' if proof else "") + (f',"sig":"{sig}"' if sig else "")
+    tail = (
+        (f',"mac":"{mac}"' if mac else "")
+        + (f',"proof":"{proof}"' if proof else "")
+        + (f',"sig":"{sig}"' if sig else "")
+    )
     return f'{{"{KEY}":{body}{tail}}}}}'
 
 
@@ -195,6 +204,7 @@ def parse(params: Any) -> Leg | None:
             sig=_sig(raw),
             first_token=_bool(raw, "first_token", False),
             proof=_proof(raw),
+            mac=_mac(raw),
         )
     if role == "decode":
         tp = _int(raw, "prefill_tp_size", 1, MAX_TP_SIZE)
@@ -218,6 +228,7 @@ def parse(params: Any) -> Leg | None:
             sig=_sig(raw),
             first_token=_bool(raw, "first_token", False),
             proof=_proof(raw),
+            mac=_mac(raw),
         )
     raise LegError(f"unknown kvpush role {_show(role)}")
 
@@ -322,6 +333,13 @@ def _sig(raw: Mapping[str, Any]) -> str:
     value = _get(raw, "sig", "")
     if not isinstance(value, str) or len(value) > MAX_SIG_CHARS or not _SIG.fullmatch(value):
         raise LegError("sig must be a base64url string of at most 128 characters")
+    return value
+
+
+def _mac(raw: Mapping[str, Any]) -> str:
+    value = _get(raw, "mac", "")
+    if not isinstance(value, str) or len(value) > MAX_MAC_CHARS or not _SIG.fullmatch(value):
+        raise LegError(f"mac must be a base64url string of at most {MAX_MAC_CHARS} characters")
     return value
 
 

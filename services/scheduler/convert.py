@@ -9,6 +9,7 @@ from typing import Any
 from google.protobuf import struct_pb2
 
 from kvpush.services.common import transfer_params
+from kvpush.services.common.leg_macs import LegMacer
 from kvpush.services.common.leg_signing import LegSigner
 from kvpush.services.scheduler.errors import InvalidArgument
 from kvpush.services.scheduler.model import (
@@ -22,6 +23,9 @@ from kvpush.services.scheduler.model import (
     Role,
 )
 from kvpush.v1 import kvpush_pb2 as pb
+
+LegSealer = LegSigner | LegMacer  # what authenticates the legs the scheduler mints (None: unsigned legs)
+_AUTH_FIELDS = ("sig", "proof", "mac")
 
 _ROLE_FROM_PB = {pb.ROLE_PREFILL: Role.PREFILL, pb.ROLE_DECODE: Role.DECODE}
 _ROLE_TO_PB = {v: k for k, v in _ROLE_FROM_PB.items()}
@@ -120,14 +124,14 @@ def outcome_from_pb(value: int) -> Outcome:
     return outcome
 
 
-def leg_params(rec: AssignmentRecord, signer: LegSigner | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def leg_params(rec: AssignmentRecord, signer: LegSealer | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The kv_transfer_params dicts of the prefill and decode legs (shared contract, to_params),
     signed by ``signer`` when given."""
     prefill, decode = _leg_fields(rec, signer)
     return {transfer_params.KEY: prefill}, {transfer_params.KEY: decode}
 
 
-def _leg_fields(rec: AssignmentRecord, signer: LegSigner | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def _leg_fields(rec: AssignmentRecord, signer: LegSealer | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Both legs' fields: the cached templates patched with this assignment's transfer id and epoch,
     then, with a signer, the expiry and each leg's signature (over every field but ``sig``)."""
     key = transfer_params.KEY
@@ -187,7 +191,7 @@ def _struct(d: dict[str, Any]) -> struct_pb2.Struct:
     return s
 
 
-def assignment_to_pb(rec: AssignmentRecord, signer: LegSigner | None = None) -> pb.Assignment:
+def assignment_to_pb(rec: AssignmentRecord, signer: LegSealer | None = None) -> pb.Assignment:
     a = pb.Assignment(transfer_id=rec.transfer_id, epoch=rec.epoch, first_token_from_prefill=rec.first_token)
     a.prefill.CopyFrom(_info(rec.prefill))
     a.decode.CopyFrom(_info(rec.decode))
@@ -201,27 +205,32 @@ def assignment_to_pb(rec: AssignmentRecord, signer: LegSigner | None = None) -> 
         leg["epoch"].number_value = rec.epoch  # exact: epochs stay below 2**53
         leg["first_token"].bool_value = rec.first_token
     if signer is not None:
-        # Signed over the same fields as leg_params; the connector normalises the Struct's doubles
-        # back to ints before it checks, so the signature covers values, not their encoding.
+        # Signed (or MACed) over the same fields as leg_params; the connector normalises the
+        # Struct's doubles back to ints before it checks, so the signature covers values, not their
+        # encoding.
         signed_prefill, signed_decode = _leg_fields(rec, signer)
         for leg, signed in ((prefill, signed_prefill), (decode, signed_decode)):
             leg["expires_at"].number_value = signed["expires_at"]
-            leg["sig"].string_value = signed["sig"]
+            for name in _AUTH_FIELDS:
+                if signed.get(name):
+                    leg[name].string_value = signed[name]
     return a
 
 
-def assignments_to_pb(recs: list[AssignmentRecord], signer: LegSigner | None = None) -> list[pb.Assignment]:
+def assignments_to_pb(recs: list[AssignmentRecord], signer: LegSealer | None = None) -> list[pb.Assignment]:
     """The Assignments of one AssignStream answer, legs signed as one batch (``fill_assignments``)."""
     out = [pb.Assignment() for _ in recs]
     fill_assignments(list(zip(recs, out, strict=True)), signer)
     return out
 
 
-def fill_assignments(pairs: list[tuple[AssignmentRecord, pb.Assignment]], signer: LegSigner | None = None) -> None:
+def fill_assignments(pairs: list[tuple[AssignmentRecord, pb.Assignment]], signer: LegSealer | None = None) -> None:
     """Writes each record into its (empty) Assignment; with a signer, every leg of the batch is
-    signed at once (``LegSigner.sign_batch``: one signature over the Merkle root of all the legs)."""
+    signed at once (``LegSigner.sign_batch``: one signature over the Merkle root of all the legs),
+    or each MACed for its engine (``LegMacer``)."""
     key = transfer_params.KEY
     canonical: list[bytes] = []
+    readers: list[str] = []
     patch: list[Any] = []  # per leg, the Struct fields to set expires_at, sig and proof in
     expires_at = signer.expiry() if signer is not None else 0.0
     for rec, a in pairs:
@@ -239,27 +248,32 @@ def fill_assignments(pairs: list[tuple[AssignmentRecord, pb.Assignment]], signer
         if signer is not None:
             canonical.append(prefill_bytes.render(rec.transfer_id, rec.epoch, expires_at))
             canonical.append(decode_bytes.render(rec.transfer_id, rec.epoch, expires_at))
+            readers.append(rec.prefill.engine_id)
+            readers.append(rec.decode.engine_id)
     if signer is None or not canonical:
         return
-    sig, proofs = signer.sign_batch(canonical)
-    for fields, proof in zip(patch, proofs, strict=True):
-        fields["sig"].string_value = sig
-        fields["proof"].string_value = proof
+    for fields, auth in zip(patch, signer.seal_batch_bytes(canonical, readers), strict=True):
+        for name, value in zip(_AUTH_FIELDS, auth, strict=True):
+            if value:
+                fields[name].string_value = value
 
 
-def fill_compact(pairs: list[tuple[AssignmentRecord, pb.CompactAssignment]], signer: LegSigner | None = None) -> None:
+def fill_compact(pairs: list[tuple[AssignmentRecord, pb.CompactAssignment]], signer: LegSealer | None = None) -> None:
     """Writes each record into its (empty) CompactAssignment: engine ids, HTTP endpoints and both
     legs as JSON text, spliced from the legs' canonical bytes (no Struct, no JSON encoding per
-    leg); with a signer, every leg of the batch signed at once, as in ``fill_assignments``."""
+    leg); with a signer, every leg of the batch signed at once or MACed, as in ``fill_assignments``."""
     expires_at = signer.expiry() if signer is not None else 0.0
     canonical: list[bytes] = []
+    readers: list[str] = []
     for rec, _ in pairs:
         _, prefill_bytes, decode_bytes = _pair_template(rec.prefill, rec.decode, rec.first_token)
         canonical.append(prefill_bytes.render(rec.transfer_id, rec.epoch, expires_at))
         canonical.append(decode_bytes.render(rec.transfer_id, rec.epoch, expires_at))
+        readers.append(rec.prefill.engine_id)
+        readers.append(rec.decode.engine_id)
     if not canonical:
         return
-    sig, proofs = signer.sign_batch(canonical) if signer is not None else ("", [""] * len(canonical))
+    auth = signer.seal_batch_bytes(canonical, readers) if signer is not None else [("", "", "")] * len(canonical)
     params_json = transfer_params.params_json
     for i, (rec, c) in enumerate(pairs):
         prefill, decode = rec.prefill, rec.decode
@@ -270,8 +284,8 @@ def fill_compact(pairs: list[tuple[AssignmentRecord, pb.CompactAssignment]], sig
         c.decode_engine_id = decode.engine_id
         c.decode_http_endpoint = decode.http_endpoint
         c.first_token_from_prefill = rec.first_token
-        c.prefill_kv_transfer_params_json = params_json(canonical[2 * i], sig, proofs[2 * i])
-        c.decode_kv_transfer_params_json = params_json(canonical[2 * i + 1], sig, proofs[2 * i + 1])
+        c.prefill_kv_transfer_params_json = params_json(canonical[2 * i], *auth[2 * i])
+        c.decode_kv_transfer_params_json = params_json(canonical[2 * i + 1], *auth[2 * i + 1])
 
 
 @functools.lru_cache(maxsize=4096)

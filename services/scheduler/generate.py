@@ -19,9 +19,8 @@ from typing import Any
 
 import aiohttp
 
-from kvpush.services.common.leg_signing import LegSigner
 from kvpush.services.common.logs import get_logger
-from kvpush.services.scheduler.convert import leg_params
+from kvpush.services.scheduler.convert import LegSealer, leg_params
 from kvpush.services.scheduler.model import AssignmentRecord
 from kvpush.v1 import kvpush_pb2 as pb
 
@@ -187,7 +186,7 @@ async def run_legs(
     rec: AssignmentRecord,
     p: GenerateParams,
     lost: asyncio.Future[str],
-    signer: LegSigner | None = None,
+    signer: LegSealer | None = None,
     on_prefill_failed: Callable[[str, str], object] | None = None,
     first_token: asyncio.Future[pb.FirstToken] | None = None,
     lost_stall_s: float = 0.0,

@@ -13,8 +13,10 @@ from typing import Any
 import sdnotify
 
 from kvpush.services.common import logs
+from kvpush.services.common.leg_macs import LegMacer
 from kvpush.services.common.leg_signing import LegSigner
 from kvpush.services.common.security import Security, SecurityError, TlsFiles
+from kvpush.services.scheduler.convert import LegSealer
 from kvpush.services.scheduler.policy import DECODE_POLICIES
 from kvpush.services.scheduler.registry import LeaseConfig
 from kvpush.services.scheduler.server import SchedulerConfig, SchedulerServer
@@ -89,7 +91,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "",
         metavar="FILE",
         help="Ed25519 private key (PEM) that signs every kv_transfer_params leg; connectors verify with the "
-        "public key (python -m kvpush.services.common.leg_signing keygen DIR). Required unless --insecure",
+        "public key (python -m kvpush.services.common.leg_signing keygen DIR). Required unless --leg-mac-key "
+        "or --insecure",
+    )
+    _flag(
+        p,
+        "--leg-mac-key",
+        "",
+        metavar="FILE",
+        help="instead of --leg-signing-key: master secret (hex) from which each engine's leg key is derived; "
+        "every leg carries an HMAC under the key of the engine it is for, handed to that engine when it "
+        "registers over mutual TLS (python -m kvpush.services.common.leg_macs keygen DIR). Needs --tls-*",
     )
     _flag(
         p,
@@ -125,9 +137,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def leg_signer_from_args(args: argparse.Namespace) -> LegSigner | None:
-    """The signer of ``--leg-signing-key``; None only with ``--insecure``. Exits with a message when
-    neither is given or the key cannot be loaded: a scheduler must not mint unsigned legs by accident."""
+def leg_signer_from_args(args: argparse.Namespace) -> LegSealer | None:
+    """The signer of ``--leg-signing-key`` or the MACer of ``--leg-mac-key``; None only with
+    ``--insecure``. Exits with a message when neither is given (or both), a key cannot be loaded, or
+    MACed legs are asked for without mutual TLS (the engines' keys travel in their registrations): a
+    scheduler must not mint unsigned legs, or hand out keys in the clear, by accident."""
+    if args.leg_signing_key and args.leg_mac_key:
+        raise SystemExit("kvpush-scheduler: --leg-signing-key and --leg-mac-key exclude each other: pick one")
+    if args.leg_mac_key:
+        if not (args.tls_ca and args.tls_cert and args.tls_key):
+            raise SystemExit(
+                "kvpush-scheduler: --leg-mac-key needs mutual TLS (--tls-ca, --tls-cert, --tls-key): each engine's "
+                "leg key is sent in its registration, only to a peer whose certificate names it"
+            )
+        try:
+            return LegMacer.from_file(args.leg_mac_key, ttl_s=args.leg_ttl_s)
+        except ValueError as exc:
+            raise SystemExit(f"kvpush-scheduler: {exc}") from exc
     if args.leg_signing_key:
         try:
             return LegSigner.from_file(args.leg_signing_key, ttl_s=args.leg_ttl_s)

@@ -11,9 +11,9 @@ import grpc
 from grpc_health.v1 import health_pb2
 
 from kvpush.services.common.grpc_util import SERVER_OPTIONS, add_health_and_reflection, service_name
-from kvpush.services.common.leg_signing import LegSigner
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.security import SCHEDULER_POLICY, Security
+from kvpush.services.scheduler.convert import LegSealer
 from kvpush.services.scheduler.generate import OpenAIClient
 from kvpush.services.scheduler.metrics import Metrics
 from kvpush.services.scheduler.policy import LeastBusy, decode_policy
@@ -38,7 +38,7 @@ class SchedulerConfig:
     security: Security | None = None
     # Signs both kv_transfer_params legs of every assignment (connectors verify them with the public
     # key). None (library and test use): unsigned legs, which connectors accept only with insecure=true.
-    leg_signer: LegSigner | None = None
+    leg_signer: LegSealer | None = None
     # Probe each instance's OpenAI server: assignable only once GET /health answers 200.
     readiness_probe: bool = False
 

@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 import grpc
 
 from kvpush.services.common import limits
-from kvpush.services.common.leg_signing import LegSigner
+from kvpush.services.common.leg_macs import LegMacer
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.security import ROLE_NAMES, claim_problem, peer_identity
 from kvpush.services.scheduler import convert
@@ -124,10 +124,10 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         metrics: Metrics,
         client: OpenAIClient | None = None,
         config: ServicerConfig | None = None,
-        signer: LegSigner | None = None,
+        signer: convert.LegSealer | None = None,
     ) -> None:
         self.registry = registry
-        self.signer = signer  # signs both legs of every assignment; None: unsigned legs (insecure)
+        self.signer = signer  # signs or MACs both legs of every assignment; None: unsigned legs (insecure)
         self.metrics = metrics
         self.client = client or OpenAIClient()
         self.config = config or ServicerConfig()
@@ -284,7 +284,8 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
     async def Register(self, request: pb.RegisterRequest, context: grpc.aio.ServicerContext) -> pb.RegisterResponse:
         # mTLS: an engine registers only as itself, in its certificate's role.
         inst = request.instance
-        not_peer = claim_problem(peer_identity(context), inst.engine_id, ROLE_NAMES.get(inst.role, "unspecified"))
+        peer = peer_identity(context)
+        not_peer = claim_problem(peer, inst.engine_id, ROLE_NAMES.get(inst.role, "unspecified"))
         if not_peer is not None:
             self.log.warning("register_refused", engine_id=inst.engine_id, reason=not_peer)
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, not_peer)
@@ -302,7 +303,21 @@ class SchedulerServicer(pb_grpc.SchedulerServicer):
         except SchedulerError as exc:
             await self._abort(context, exc)
         lease = self.registry.lease
-        return pb.RegisterResponse(lease_interval_ms=round(lease.interval_s * 1000), lease_misses=lease.misses)
+        return pb.RegisterResponse(
+            lease_interval_ms=round(lease.interval_s * 1000),
+            lease_misses=lease.misses,
+            leg_mac_key=self._leg_mac_key(inst.engine_id, peer is not None),
+        )
+
+    def _leg_mac_key(self, engine_id: str, authenticated: bool) -> bytes:
+        """The engine's leg MAC key when this scheduler MACs legs, for a peer whose certificate
+        names the engine (checked above); never to an unauthenticated one (plaintext server)."""
+        if not isinstance(self.signer, LegMacer):
+            return b""
+        if not authenticated:
+            self.log.warning("leg_mac_key_withheld", engine_id=engine_id, reason="peer not authenticated")
+            return b""
+        return self.signer.key_for(engine_id)
 
     def leg_failed(self, rec: AssignmentRecord, prefill_engine_id: str, reason: str) -> bool:
         """The prefill leg for ``prefill_engine_id`` was not delivered: tells the assignment's decode

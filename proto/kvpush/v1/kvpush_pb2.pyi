@@ -982,19 +982,26 @@ class RegisterResponse(_message.Message):
 
     LEASE_INTERVAL_MS_FIELD_NUMBER: _builtins.int
     LEASE_MISSES_FIELD_NUMBER: _builtins.int
+    LEG_MAC_KEY_FIELD_NUMBER: _builtins.int
     lease_interval_ms: _builtins.int
     """report load at least this often"""
     lease_misses: _builtins.int
     """intervals missed before the instance is declared dead"""
+    leg_mac_key: _builtins.bytes
+    """With a scheduler that MACs legs (--leg-mac-key): this engine's 32-byte leg key, the key of the
+    HMAC-SHA256 in the `mac` of every leg minted for it. Sent only over mutual TLS to a peer whose
+    certificate names the engine; empty otherwise. A secret: never logged.
+    """
     def __init__(
         self,
         *,
         lease_interval_ms: _builtins.int = ...,
         lease_misses: _builtins.int = ...,
+        leg_mac_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_interval_ms", b"lease_interval_ms", "lease_misses", b"lease_misses"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_interval_ms", b"lease_interval_ms", "lease_misses", b"lease_misses", "leg_mac_key", b"leg_mac_key"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
