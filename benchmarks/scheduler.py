@@ -8,8 +8,8 @@ instances that keep load streams open, then measures from many concurrent client
 * closed loop: N workers doing Assign+Release back to back (maximum throughput), with the CPU each
   side spends per pair, then the same against a servicer without any logic (the gRPC floor);
 * AssignStream (``--stream-rates``): the same open loop through one ``AssignStreamClient`` per
-  channel (each Assign and its Release coalesced with the others in flight; legs signed once per
-  batch), at each rate, then a closed loop of ``--stream-workers`` callers for the maximum.
+  channel (each Assign and its Release coalesced with the others in flight; legs MACed per engine,
+  or with ``--legs sign`` signed once per batch), at each rate, then a closed loop of ``--stream-workers`` callers for the maximum.
 
 Latency is the client-observed Assign round trip; in the AssignStream open loop it counts from each
 arrival's scheduled time, so a client that falls behind its schedule shows in it. Prints a markdown table and writes JSON to
@@ -451,15 +451,20 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    from kvpush.services.common.leg_macs import write_master
     from kvpush.services.common.leg_signing import write_keypair
     from kvpush.services.common.security import TlsFiles
     from scripts.make_certs import make_certs
 
     port, metrics_port = _free_port(), _free_port()
     address = f"127.0.0.1:{port}"
-    # Measured as deployed: every Assign signs both legs (Ed25519) with a throwaway key.
+    # Measured as deployed: every leg MACed for its engine (--legs mac) or signed (Ed25519, --legs
+    # sign), with a throwaway key.
     keys = tempfile.TemporaryDirectory(prefix="kvpush-bench-leg-keys-")
-    leg_key, _ = write_keypair(keys.name)
+    if args.legs == "mac":
+        leg_flags = ["--leg-mac-key", str(write_master(keys.name))]
+    else:
+        leg_flags = ["--leg-signing-key", str(write_keypair(keys.name)[0])]
     # And with mTLS on every call: a throwaway CA, the scheduler's, a frontend's and each instance's certificate.
     pki = tempfile.TemporaryDirectory(prefix="kvpush-bench-certs-")
     certs = make_certs(pki.name, engines=[f"{r}/{n}" for r, n in _instance_names(args.decodes, args.prefills)])
@@ -484,8 +489,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             # The fake instances have no OpenAI server to probe.
             "--readiness-probe",
             "0",
-            "--leg-signing-key",
-            str(leg_key),
+            *leg_flags,
             "--tls-ca",
             tls.ca_file,
             "--tls-cert",
@@ -602,6 +606,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "max_batch": args.max_batch,
             "max_in_flight": args.max_in_flight,
             "compact": bool(args.compact),
+            "legs": args.legs,
             "release_delay_ms": args.release_delay_ms,
             "server_cpus": args.server_cpus or "any",
             "client_cpus": args.client_cpus or "any",
@@ -693,7 +698,8 @@ def _table(report: dict[str, Any]) -> str:
         )
     host = report["host"]
     rows.append(
-        f"\n{host['cpus']} CPUs, load average {host['loadavg_1m_before']} before / {host['loadavg_1m_after']} after; "
+        f"\nlegs: {report.get('setup', {}).get('legs', '–')}; "
+        f"{host['cpus']} CPUs, load average {host['loadavg_1m_before']} before / {host['loadavg_1m_after']} after; "
         f"CPU calibration (fixed Python work, lower is faster) {host.get('cpu_calibration_ms_before', '–')} ms before / "
         f"{host.get('cpu_calibration_ms_after', '–')} ms after; "
         "latency: client-observed Assign round trip (AssignStream open loop: from the scheduled arrival); server-side: the scheduler's own Assign handling time "
@@ -728,6 +734,13 @@ def main(argv: list[str] | None = None) -> None:
         choices=(0, 1),
         default=1,
         help="AssignStream answers: 1 CompactAssignment (legs as JSON text), 0 Assignment (legs as Struct)",
+    )
+    p.add_argument(
+        "--legs",
+        choices=("mac", "sign"),
+        default="mac",
+        help="how the scheduler authenticates legs: mac (--leg-mac-key, an HMAC per leg) or sign "
+        "(--leg-signing-key, Ed25519; one signature per AssignStream batch)",
     )
     p.add_argument("--server-cpus", default="", help="CPUs the scheduler process runs on (e.g. '0'; default: any)")
     p.add_argument("--client-cpus", default="", help="CPUs this client process runs on (e.g. '1'; default: any)")

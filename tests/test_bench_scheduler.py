@@ -61,6 +61,7 @@ def test_a_short_run_measures_the_scheduler_and_the_grpc_floor_at_the_same_rate(
     assert run.returncode == 0, run.stderr[-2000:]
     report = json.loads(out.read_text())
     assert report["setup"]["release_delay_ms"] == 2
+    assert report["setup"]["legs"] == "mac" and "legs: mac;" in run.stdout  # the deployed default
     phases = {r["phase"]: r for r in report["results"]}
     assert set(phases) == {
         "AssignStream open loop, release inline",

@@ -15,6 +15,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from leg_support import field_tampers
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.legs import LegGate
@@ -112,17 +113,7 @@ def test_any_field_tamper_of_a_batched_leg_fails(index: int) -> None:
     signer, verifier = _pair()
     legs = _batch(signer, 3)
     fields = legs[index]
-    for name, value in fields.items():
-        if name in ("sig", "proof", "role"):
-            continue
-        if isinstance(value, str):
-            other: Any = value + "x"
-        elif isinstance(value, bool):
-            other = not value
-        elif isinstance(value, int | float):
-            other = value + 1
-        else:
-            other = [*value[:-1], "10.0.0.66:7100"] if ":" in value[0] else [*value[:-1], "z"]
+    for name, other in field_tampers(fields):
         reason = _refused(verifier, {**fields, name: other})
         assert reason in ("bad_signature", "malformed"), name
         if name != "prefill_tp_size":  # inconsistent with the endpoints: refused by parse

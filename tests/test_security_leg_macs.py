@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.json_format import MessageToDict
+from leg_support import field_tampers
 from test_scheduler_registry import spec
 
 from kvpush.connector.config import ConnectorConfig
@@ -124,17 +125,7 @@ def test_any_field_tamper_of_a_macd_leg_fails() -> None:
     macer = _macer()
     for fields, engine in ((macer.seal(_decode()), "decode-0"), (macer.seal(_prefill()), "prefill-0")):
         verifier = _engine(engine, MASTER)
-        for name, value in fields.items():
-            if name in ("sig", "proof", "mac", "role"):
-                continue
-            if isinstance(value, str):
-                other: Any = value + "x"
-            elif isinstance(value, bool):
-                other = not value
-            elif isinstance(value, int | float):
-                other = value + 1
-            else:
-                other = [*value[:-1], "10.0.0.66:7100"] if ":" in value[0] else [*value[:-1], "z"]
+        for name, other in field_tampers(fields):
             reason = _refused(verifier, {**fields, name: other})
             assert reason in ("bad_signature", "malformed"), name
             if name != "prefill_tp_size":  # inconsistent with the endpoints: refused by parse
@@ -422,8 +413,13 @@ def test_master_file_and_scheduler_flags(tmp_path: Path, dev_certs: Path, monkey
     assert (dev_certs / leg_macs.MASTER_FILE).exists()  # make certs writes one
 
 
-def test_keygen_cli(tmp_path: Path) -> None:
+def test_keygen_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert leg_macs.main(["keygen", str(tmp_path)]) == 0
-    assert (tmp_path / leg_macs.MASTER_FILE).exists()
-    with pytest.raises(SystemExit):
+    path = tmp_path / leg_macs.MASTER_FILE
+    assert capsys.readouterr().out.split() == [str(path)]
+    first = path.read_text()
+    with pytest.raises(SystemExit) as refused:
         leg_macs.main(["keygen", str(tmp_path)])
+    assert refused.value.code == 1 and path.read_text() == first
+    assert leg_macs.main(["keygen", str(tmp_path), "--force"]) == 0
+    assert path.read_text() != first

@@ -25,7 +25,6 @@ Make a master with ``python -m kvpush.services.common.leg_macs keygen DIR`` (``m
 
 from __future__ import annotations
 
-import argparse
 import base64
 import binascii
 import functools
@@ -40,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush.services.common.leg_signing import DEFAULT_TTL_S, LegAuth, write_private
+from kvpush.services.common.leg_signing import DEFAULT_TTL_S, LegAuth, keygen_cli, write_private
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.transfer_params import canonical_bytes
 
@@ -162,20 +161,13 @@ def write_master(out_dir: str | os.PathLike[str], overwrite: bool = False) -> Pa
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m kvpush.services.common.leg_macs", description="master secret for scheduler-MACed legs"
+    return keygen_cli(
+        argv,
+        "python -m kvpush.services.common.leg_macs",
+        "master secret for scheduler-MACed legs",
+        f"DIR/{MASTER_FILE} (0600)",
+        lambda d, force: [write_master(d, overwrite=force)],
     )
-    sub = p.add_subparsers(dest="command", required=True)
-    keygen = sub.add_parser("keygen", help=f"write DIR/{MASTER_FILE} (0600)")
-    keygen.add_argument("dir")
-    keygen.add_argument("--force", action="store_true", help="replace an existing master")
-    args = p.parse_args(argv)
-    try:
-        path = write_master(args.dir, overwrite=args.force)
-    except FileExistsError as exc:
-        p.exit(1, f"keygen: {exc}\n")
-    sys.stdout.write(f"{path}\n")
-    return 0
 
 
 if __name__ == "__main__":

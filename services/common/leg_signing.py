@@ -352,21 +352,36 @@ def write_private(path: Path, data: bytes, mode: int) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m kvpush.services.common.leg_signing", description="Ed25519 key pair for scheduler-signed legs"
-    )
+def keygen_cli(
+    argv: Sequence[str] | None,
+    prog: str,
+    description: str,
+    writes: str,
+    write: Callable[[str, bool], Sequence[Path]],
+) -> int:
+    """``PROG keygen DIR [--force]``: calls ``write(DIR, force)`` and prints the paths it wrote."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     sub = p.add_subparsers(dest="command", required=True)
-    keygen = sub.add_parser("keygen", help=f"write DIR/{KEY_FILE} (0600) and DIR/{PUB_FILE}")
+    keygen = sub.add_parser("keygen", help=f"write {writes}")
     keygen.add_argument("dir")
-    keygen.add_argument("--force", action="store_true", help="replace an existing pair")
+    keygen.add_argument("--force", action="store_true", help="replace what is there")
     args = p.parse_args(argv)
     try:
-        key_path, pub_path = write_keypair(args.dir, overwrite=args.force)
+        paths = write(args.dir, args.force)
     except FileExistsError as exc:
         p.exit(1, f"keygen: {exc}\n")
-    sys.stdout.write(f"{key_path}\n{pub_path}\n")
+    sys.stdout.write("".join(f"{path}\n" for path in paths))
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return keygen_cli(
+        argv,
+        "python -m kvpush.services.common.leg_signing",
+        "Ed25519 key pair for scheduler-signed legs",
+        f"DIR/{KEY_FILE} (0600) and DIR/{PUB_FILE}",
+        lambda d, force: write_keypair(d, overwrite=force),
+    )
 
 
 if __name__ == "__main__":
