@@ -100,6 +100,11 @@ HOSTILE: dict[str, Any] = {
     "expires_inf": {**GOOD_DECODE, "expires_at": INF},
     "sig_not_b64": {**GOOD_DECODE, "sig": "!!"},
     "sig_huge": {**GOOD_DECODE, "sig": "A" * (2 << 20)},
+    "mac_not_b64": {**GOOD_DECODE, "mac": "a+b/"},
+    "mac_huge": {**GOOD_DECODE, "mac": "A" * (2 << 20)},
+    "mac_int": {**GOOD_DECODE, "mac": 7},
+    "mac_null": {**GOOD_PREFILL, "mac": None},
+    "mac_nested": {**GOOD_PREFILL, "mac": _nested(50)},
     "missing_epoch": {k: v for k, v in GOOD_DECODE.items() if k != "epoch"},
     "role_int": {**GOOD_DECODE, "role": 5},
     "role_unknown": {**GOOD_DECODE, "role": "prefill_done"},
@@ -181,7 +186,7 @@ json_values = st.recursive(
     max_leaves=40,
 )
 _good = st.sampled_from([GOOD_DECODE, GOOD_PREFILL])
-_field_names = st.sampled_from(sorted(set(GOOD_DECODE) | {"expires_at", "sig"}))
+_field_names = st.sampled_from(sorted(set(GOOD_DECODE) | {"expires_at", "sig", "proof", "mac"}))
 
 
 def _parse_checked(params: Any) -> None:
