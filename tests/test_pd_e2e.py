@@ -3,17 +3,27 @@ plain vLLM. Greedy outputs through ``Generate`` must equal the single instance t
 
 from __future__ import annotations
 
+import base64
 import re
+import select
+import socket
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from google.protobuf.json_format import MessageToDict
 
+from kvpush.services.common import transfer_params
+from kvpush.services.common.leg_macs import LegMacer, engine_key, mac_of
+from kvpush.services.common.leg_signing import LegSigner
 from kvpush.services.common.vllm_server import VllmServer, complete
 from kvpush.v1 import kvpush_pb2 as pb
 from scripts.cluster.pd import PDCluster, pd_cluster
@@ -172,6 +182,64 @@ def test_free_blocks_return_to_baseline_after_load(cluster: PDCluster, free_base
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(lambda i: cluster.generate(prompt_of(200 + 37 * i, seed=i), 4), range(16)))
     assert _wait_free_blocks(cluster, free_baseline) == free_baseline
+
+
+def test_decode_refuses_legs_maced_for_another_engine_or_master(cluster: PDCluster) -> None:
+    """This cluster's scheduler MACs legs (``--leg-mac-key``) and the engines hold no public key.
+    A decode leg whose MAC is under another engine's key or another master, whose fields changed
+    under a genuine MAC, or that is signed instead, is refused: decode dials nothing, pushes
+    nothing, and serves the single instance's tokens. A leg straight from the scheduler is pushed,
+    and the engine's key shows in no log line."""
+    assert cluster.scheduler.leg_mac_key is not None and cluster.baseline is not None
+    macer = LegMacer.from_file(cluster.scheduler.leg_mac_key)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    trap = [f"127.0.0.1:{listener.getsockname()[1]}"]
+    a = cluster.stub.Assign(pb.AssignRequest(prompt_tokens=300, max_tokens=MAX_TOKENS), timeout=10)
+    cluster.stub.Release(pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_FAILED))
+    minted = transfer_params.parse(MessageToDict(a.decode_kv_transfer_params))
+    assert isinstance(minted, transfer_params.DecodeLeg) and minted.mac and not minted.sig
+    assert minted.decode_engine_id == "decode-0"
+
+    def trapped(tag: str, **extra: Any) -> dict[str, Any]:
+        fields = asdict(minted)
+        fields.update(transfer_id=f"mac-{tag}", prefill_tp_size=1, prefill_agent_endpoints=trap)
+        fields.update(prefill_rank_incarnations=[], mac="", **extra)
+        return fields
+
+    def maced(fields: dict[str, Any], key: bytes) -> dict[str, Any]:
+        return {**fields, "mac": mac_of(key, transfer_params.canonical_bytes(fields))}
+
+    signed = LegSigner(Ed25519PrivateKey.generate()).sign_leg(transfer_params.parse({"kvpush": trapped("signed")}))  # type: ignore[arg-type]
+    legs = {
+        "prefill_key": maced(trapped("prefill-key"), macer.key_for("prefill-0")),
+        "other_master": maced(trapped("other-master"), engine_key(bytes(range(32)), "decode-0")),
+        "for_decode_1": maced(trapped("decode-1", decode_engine_id="decode-1"), macer.key_for("decode-1")),
+        "tampered": {**trapped("tampered"), "mac": minted.mac},
+        "signed": asdict(signed),
+    }
+    before = prompt_sources(cluster.decode)
+    for i, (name, leg) in enumerate(sorted(legs.items())):
+        prompt = prompt_of(260 + i, seed=40 + i)
+        got, _ = complete(cluster.decode.base_url, prompt, MAX_TOKENS, {"kvpush": leg})
+        assert got == complete(cluster.baseline.base_url, prompt, MAX_TOKENS)[0], name
+    readable, _, _ = select.select([listener], [], [], 1.0)  # a dial would have arrived by now
+    listener.close()
+    assert not readable, "decode dialed an endpoint from a leg it should have refused"
+    after = prompt_sources(cluster.decode)
+    assert _delta(after, before, "external_kv_transfer") == 0
+    # The scheduler's own legs still verify and push.
+    tokens, _ = cluster.generate(prompt_of(333, seed=77), MAX_TOKENS)
+    assert tokens == complete(cluster.baseline.base_url, prompt_of(333, seed=77), MAX_TOKENS)[0]
+    assert _delta(prompt_sources(cluster.decode), after, "external_kv_transfer") > 0
+    log = Path(cluster.decode.log_path).read_text(errors="replace")
+    refused = [line for line in log.splitlines() if "leg_refused" in line]
+    for reason in ("bad_signature", "no_key"):
+        assert any(re.search(rf"reason=['\"]?{reason}\b", line) for line in refused), reason
+    key = macer.key_for("decode-0")
+    for text in (key.hex(), base64.b64encode(key).decode(), base64.urlsafe_b64encode(key).decode().rstrip("=")):
+        assert text not in log
 
 
 def test_killed_prefill_fails_requests_fast(cluster: PDCluster, expected: dict[int, list[int]]) -> None:
