@@ -30,7 +30,7 @@ from kvpush.connector.legs import LegGate, leg_verifier
 from kvpush.connector.registration import Registration
 from kvpush.services.common import leg_macs
 from kvpush.services.common import transfer_params as tp
-from kvpush.services.common.leg_macs import EngineKeyRing, LegMacer, engine_key, write_master
+from kvpush.services.common.leg_macs import EngineKeyRing, LegMacer, engine_key, mac_of, write_master
 from kvpush.services.common.leg_signing import LegRefused, LegSigner, LegVerifier, check_leg
 from kvpush.services.common.security import Security, TlsFiles
 from kvpush.services.common.transfer_params import DecodeLeg, Leg, LegError, PrefillLeg, parse
@@ -108,6 +108,8 @@ def test_a_macd_leg_verifies_for_its_engine_only() -> None:
         macer.seal(fields)
         assert fields["expires_at"] == NOW + 60 and len(fields["mac"]) == leg_macs.MAC_CHARS
         assert not fields["sig"] and not fields["proof"]
+        # The scheduler's copied HMAC state gives the MAC of the documented construction.
+        assert fields["mac"] == mac_of(engine_key(MASTER, engine), tp.canonical_bytes(fields))
         leg = _leg(json.loads(json.dumps(fields)))
         check_leg(leg, engine, role, _engine(engine, MASTER))
         as_doubles = {k: float(v) if type(v) is int else v for k, v in fields.items()}  # a Struct's numbers

@@ -167,6 +167,12 @@ def params_json(canonical: bytes, sig: str = "", proof: str = "", mac: str = "")
     empty ``sig``/``proof``/``mac`` are left out: they are the defaults)."""
     if not canonical.startswith(_SIGNING_CONTEXT) or not all(_SIG.fullmatch(v) for v in (sig, proof, mac)):
         raise ValueError("params_json needs canonical_bytes and base64url sig, proof and mac")
+    return splice_params_json(canonical, sig, proof, mac)
+
+
+def splice_params_json(canonical: bytes, sig: str, proof: str, mac: str) -> str:
+    """``params_json`` without its checks, for the scheduler's batch path, whose inputs are
+    ``canonical_bytes`` and base64url text it just made itself."""
     body = canonical[len(_SIGNING_CONTEXT) : -1].decode("ascii")
     tail = (
         (f',"mac":"{mac}"' if mac else "")

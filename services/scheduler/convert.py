@@ -274,7 +274,7 @@ def fill_compact(pairs: list[tuple[AssignmentRecord, pb.CompactAssignment]], sig
     if not canonical:
         return
     auth = signer.seal_batch_bytes(canonical, readers) if signer is not None else [("", "", "")] * len(canonical)
-    params_json = transfer_params.params_json
+    params_json = transfer_params.splice_params_json  # canonical bytes and base64url made just above
     for i, (rec, c) in enumerate(pairs):
         prefill, decode = rec.prefill, rec.decode
         c.transfer_id = rec.transfer_id

@@ -96,6 +96,9 @@ class Load:
     draining: bool = False
 
 
+_NO_LOAD = Load()  # what an instance counts as before its first report: entirely free
+
+
 @dataclass(frozen=True)
 class Event:
     kind: EventKind
@@ -161,7 +164,7 @@ class Instance:
         queueing term, so that equal memory breaks ties towards the less busy instance."""
         total = self.spec.total_kv_blocks
         used = total - self.reported_free + self.pending_blocks + extra_blocks
-        load = self.load or Load()
+        load = self.load or _NO_LOAD
         return (
             used / total
             + 0.5 * load.reserved_unfilled_blocks / total
@@ -170,7 +173,7 @@ class Instance:
 
     def busyness(self) -> float:
         """Prefill load: queued and running work, unreported assignments, WRITE bytes in flight."""
-        load = self.load or Load()
+        load = self.load or _NO_LOAD
         return (
             load.waiting_requests
             + load.running_requests
