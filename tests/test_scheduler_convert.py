@@ -88,8 +88,9 @@ def test_canonical_template_renders_canonical_bytes(tid: str, epoch: int, expire
     including quotes, backslashes and non-ASCII, any epoch, any expiry)."""
     rec = _rec("t", 1, ("a", "b"))
     prefill, decode = convert.leg_params(rec)
-    for params in (prefill, decode):
-        fields = params[transfer_params.KEY]
+    # Ids holding %-format text must come out as they are (the template renders by %-formatting).
+    odd = {**decode[transfer_params.KEY], "decode_engine_id": "d%s%%d", "prefill_incarnation": "%b,%"}
+    for fields in (prefill[transfer_params.KEY], decode[transfer_params.KEY], odd):
         template = transfer_params.CanonicalTemplate(fields)
         want = transfer_params.canonical_bytes({**fields, "transfer_id": tid, "epoch": epoch, "expires_at": expires_at})
         assert template.render(tid, epoch, expires_at) == want

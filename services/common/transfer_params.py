@@ -141,22 +141,19 @@ class CanonicalTemplate:
             parts.append(text[at:pos])
             at = pos + len(encode_basestring_ascii(sentinels[k]))
         parts.append(text[at:])
-        self._parts = parts
+        # One bytes %-format with the values in text order (a literal % in the text doubled).
+        self._format = b"%s".join(part.replace(b"%", b"%%") for part in parts)
+        self._slots = tuple(self._VARIABLE.index(k) for k in self._order)
 
     def render(self, transfer_id: str, epoch: int, expires_at: float) -> bytes:
         if type(epoch) is not int or type(expires_at) is not float or not math.isfinite(expires_at):
             raise TypeError("epoch must be an int and expires_at a finite float")
-        values = {
-            "transfer_id": encode_basestring_ascii(transfer_id).encode("ascii"),
-            "epoch": int.__repr__(epoch).encode("ascii"),  # what json.dumps writes for them
-            "expires_at": float.__repr__(expires_at).encode("ascii"),
-        }
-        parts = self._parts
-        out = [parts[0]]
-        for i, k in enumerate(self._order):
-            out.append(values[k])
-            out.append(parts[i + 1])
-        return b"".join(out)
+        values = (
+            encode_basestring_ascii(transfer_id).encode("ascii"),
+            int.__repr__(epoch).encode("ascii"),  # what json.dumps writes for them
+            float.__repr__(expires_at).encode("ascii"),
+        )
+        return self._format % tuple([values[i] for i in self._slots])
 
 
 def params_json(canonical: bytes, sig: str = "", proof: str = "", mac: str = "") -> str:
