@@ -34,6 +34,7 @@ from kvpush.services.common.security import Security
 from kvpush.services.common.tp import prefill_ranks_into
 from kvpush.services.common.transfer_params import DecodeLeg
 from kvpush.services.decode_agent import metrics
+from kvpush.services.decode_agent.link import PrefillLink, run_link
 from kvpush.services.decode_agent.reroute import RerouteAsk, Rerouter, RerouteRefused
 from kvpush.services.decode_agent.transfers import DecodeState, DecodeTransfer
 from kvpush.v1 import kvpush_pb2 as pb
@@ -104,30 +105,6 @@ class _Pending:
     attempt: int = 0  # reroutes before this epoch
     reroute: asyncio.Task[DecodeLeg | None] | None = None  # asked while the fence runs
     cancelled: str = ""  # the host cancelled while a reroute was pending: settle, do not retry
-
-
-@dataclass
-class PrefillLink:
-    """The reservations stream to one prefill rank."""
-
-    endpoint: str
-    prefill_engine_id: str
-    prefill_incarnation: str
-    # Bounded: a prefill rank that stops reading ends its link (its transfers are then fenced).
-    outbox: asyncio.Queue[pb.DecodeMessage] = field(default_factory=lambda: asyncio.Queue(maxsize=limits.MAX_OUTBOX))
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
-    error: str = ""
-    task: asyncio.Task[None] | None = None
-    # Fence bounds (docs/fence.md): the last time this side granted the prefill rank its write
-    # lease (the Hello, then every Pong), and the rank's announced lease and write timeout.
-    granted_at: float = 0.0
-    lease_s: float = 0.0
-    write_timeout_s: float = 0.0
-
-    def fenced_after(self, margin_s: float) -> float:
-        """Monotonic time after which nothing this prefill rank posted can still land."""
-        return self.granted_at + self.lease_s + self.write_timeout_s + margin_s
 
 
 class DecodeAgent:
@@ -498,69 +475,17 @@ class DecodeAgent:
         return link
 
     async def _run_link(self, link: PrefillLink) -> None:
-        hello = pb.DecodeMessage(
-            hello=pb.Hello(
-                decode=self.identity,
-                decode_ranks=self.rank_layouts,
-                expected_prefill_engine_id=link.prefill_engine_id,
-                expected_prefill_incarnation=link.prefill_incarnation,
-                auth_token=self.config.auth_token,
-            )
+        hello = pb.Hello(
+            decode=self.identity,
+            decode_ranks=self.rank_layouts,
+            expected_prefill_engine_id=link.prefill_engine_id,
+            expected_prefill_incarnation=link.prefill_incarnation,
+            auth_token=self.config.auth_token,
         )
-        channel = self.security.aio_channel(link.endpoint, CHANNEL_OPTIONS)
-        call = pb_grpc.PrefillAgentStub(channel).Reservations()
-        sender: asyncio.Task[None] | None = None
         try:
-            link.granted_at = time.monotonic()  # the Hello is the first grant
-            await call.write(hello)
-            first = await call.read()
-            if first is grpc.aio.EOF or first.WhichOneof("body") != "hello_ack":
-                raise ConnectionError("stream ended before HelloAck")
-            ack = first.hello_ack
-            link.lease_s, link.write_timeout_s = ack.lease_ms / 1e3, ack.write_timeout_ms / 1e3
-            if not ack.lease_ms or not ack.write_timeout_ms:
-                raise ConnectionError("prefill rank announced no lease or write timeout")
-            if link.lease_s + link.write_timeout_s > self.config.max_fence_s:
-                raise ConnectionError(
-                    f"prefill rank's lease {link.lease_s:g}s + write timeout {link.write_timeout_s:g}s exceed "
-                    f"max_fence_s {self.config.max_fence_s:g}s"
-                )
-            link.prefill_incarnation = ack.prefill.incarnation
-            link.ready.set()
-            metrics.LINKS.inc()
-            log.info("prefill_link_ready", endpoint=link.endpoint, prefill_incarnation=link.prefill_incarnation)
-            sender = asyncio.get_running_loop().create_task(self._send_loop(link, call))
-            # The prefill rank pings every lease / 4: a stream silent for two leases is dead even
-            # if neither socket says so (a partition); its transfers then go through the fence.
-            silence_s = max(2 * link.lease_s, 1.0)
-            while True:
-                try:
-                    msg = await asyncio.wait_for(call.read(), silence_s)
-                except TimeoutError:
-                    raise ConnectionError(f"prefill rank silent for {silence_s:g}s") from None
-                if msg is grpc.aio.EOF:
-                    raise ConnectionError("prefill closed the stream")
-                self._on_prefill_message(link, msg)
-        except asyncio.CancelledError:
-            link.error = "closed"
-        except grpc.aio.AioRpcError as exc:
-            link.error = f"{exc.code().name}: {exc.details()}"
-        except Exception as exc:
-            link.error = f"{type(exc).__name__}: {exc}"
+            await run_link(link, hello, self.security, self.config.max_fence_s, self._on_prefill_message)
         finally:
-            if sender is not None:
-                sender.cancel()
-            call.cancel()
-            await channel.close()
-            if link.ready.is_set():
-                metrics.LINKS.dec()
-            self._on_link_lost(link)
-
-    @staticmethod
-    async def _send_loop(link: PrefillLink, call: grpc.aio.StreamStreamCall) -> None:
-        while True:
-            msg = await link.outbox.get()
-            await call.write(msg)
+            self._on_link_lost(link)  # its transfers go through the fence, however the link ended
 
     def _on_prefill_message(self, link: PrefillLink, msg: pb.PrefillMessage) -> None:
         kind = msg.WhichOneof("body")
