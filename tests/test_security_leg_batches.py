@@ -15,36 +15,14 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from leg_support import field_tampers
+from leg_support import decode_fields, field_tampers, leg_of, prefill_fields, refusal
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.legs import LegGate
 from kvpush.services.common import transfer_params as tp
 from kvpush.services.common.leg_signing import LegRefused, LegSigner, LegVerifier, check_leg, merkle_proofs
-from kvpush.services.common.transfer_params import DecodeLeg, Leg, LegError, PrefillLeg, parse
 
 NOW = 1_700_000_000.0
-
-
-def _decode(i: int) -> dict[str, Any]:
-    return asdict(
-        DecodeLeg(
-            transfer_id=f"t-{i}",
-            epoch=100 + i,
-            prefill_engine_id="prefill-0",
-            prefill_incarnation="a,b",
-            prefill_tp_size=2,
-            prefill_agent_endpoints=["10.0.0.2:7100", "10.0.0.2:7101"],
-            prefill_rank_incarnations=["a", "b"],
-            decode_engine_id="decode-0",
-        )
-    )
-
-
-def _prefill(i: int) -> dict[str, Any]:
-    return asdict(
-        PrefillLeg(transfer_id=f"t-{i}", decode_engine_id="decode-0", prefill_engine_id="prefill-0", epoch=100 + i)
-    )
 
 
 def _pair(ttl_s: float = 60.0) -> tuple[LegSigner, LegVerifier]:
@@ -54,15 +32,9 @@ def _pair(ttl_s: float = 60.0) -> tuple[LegSigner, LegVerifier]:
 
 def _batch(signer: LegSigner, assignments: int, first: int = 0) -> list[dict[str, Any]]:
     """The legs of ``assignments`` assignments (prefill, decode, prefill, ...), sealed as one batch."""
-    legs = [leg for i in range(first, first + assignments) for leg in (_prefill(i), _decode(i))]
+    legs = [leg for i in range(first, first + assignments) for leg in (prefill_fields(i), decode_fields(i))]
     signer.seal_batch(legs)
     return legs
-
-
-def _leg(fields: dict[str, Any]) -> Leg:
-    leg = parse({"kvpush": fields})
-    assert leg is not None
-    return leg
 
 
 def _b64(raw: bytes) -> str:
@@ -73,17 +45,6 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
-def _refused(verifier: LegVerifier, fields: dict[str, Any]) -> str:
-    """The refusal reason of a leg (parse errors count as "malformed")."""
-    try:
-        leg = _leg(fields)
-    except LegError:
-        return "malformed"
-    with pytest.raises(LegRefused) as err:
-        verifier.verify(leg)
-    return err.value.reason
-
-
 @pytest.mark.parametrize("assignments", [1, 2, 3, 5, 8, 64, 256])
 def test_every_leg_of_a_batch_verifies_through_json_and_doubles(assignments: int) -> None:
     signer, verifier = _pair()
@@ -92,18 +53,18 @@ def test_every_leg_of_a_batch_verifies_through_json_and_doubles(assignments: int
     assert len({leg["proof"] for leg in legs}) == len(legs)
     for fields in legs:
         assert fields["expires_at"] == NOW + 60
-        verifier.verify(_leg(json.loads(json.dumps(fields))))
+        verifier.verify(leg_of(json.loads(json.dumps(fields))))
         as_doubles = {k: float(v) if type(v) is int else v for k, v in fields.items()}
         fresh = LegVerifier(signer.public_key(), skew_s=5.0, clock=lambda: NOW)  # no cached root
-        fresh.verify(_leg(as_doubles))
+        fresh.verify(leg_of(as_doubles))
 
 
 def test_a_single_leg_batch_still_carries_a_proof() -> None:
     signer, verifier = _pair()
-    (only,) = [_prefill(0)]
+    (only,) = [prefill_fields(0)]
     signer.seal_batch([only])
     assert only["proof"]  # an empty proof would mean "signed alone"
-    verifier.verify(_leg(only))
+    verifier.verify(leg_of(only))
     root, proofs = merkle_proofs([b"\x11" * 32])
     assert root == b"\x11" * 32 and proofs == [b"\x01"]
 
@@ -114,18 +75,18 @@ def test_any_field_tamper_of_a_batched_leg_fails(index: int) -> None:
     legs = _batch(signer, 3)
     fields = legs[index]
     for name, other in field_tampers(fields):
-        reason = _refused(verifier, {**fields, name: other})
+        reason = refusal(verifier, {**fields, name: other})
         assert reason in ("bad_signature", "malformed"), name
         if name != "prefill_tp_size":  # inconsistent with the endpoints: refused by parse
             assert reason == "bad_signature", name
 
 
-def test_proofs_that_lead_elsewhere_are_refused() -> None:
+def test_proofs_that_lead_elsewhere_arerefusal() -> None:
     signer, verifier = _pair()
     legs = _batch(signer, 4)
     victim = legs[2]
     proof = _unb64(victim["proof"])
-    verifier.verify(_leg(victim))  # the genuine leg (its root is now cached: the cache must not help below)
+    verifier.verify(leg_of(victim))  # the genuine leg (its root is now cached: the cache must not help below)
     cases: dict[str, str] = {
         "another leg's proof": legs[3]["proof"],
         "truncated by a step": _b64(proof[:-33]),
@@ -143,11 +104,11 @@ def test_proofs_that_lead_elsewhere_are_refused() -> None:
         flipped[i] ^= 0x40
         cases[f"byte {i} flipped"] = _b64(bytes(flipped))
     for what, bad in cases.items():
-        assert _refused(verifier, {**victim, "proof": bad}) in ("bad_signature", "malformed"), what
+        assert refusal(verifier, {**victim, "proof": bad}) in ("bad_signature", "malformed"), what
         if len(bad) <= tp.MAX_PROOF_CHARS:
-            assert _refused(verifier, {**victim, "proof": bad}) == "bad_signature", what
-    assert _refused(verifier, {**victim, "proof": "A" * (tp.MAX_PROOF_CHARS + 1)}) == "malformed"
-    assert _refused(verifier, {**victim, "proof": "not/base64url"}) == "malformed"
+            assert refusal(verifier, {**victim, "proof": bad}) == "bad_signature", what
+    assert refusal(verifier, {**victim, "proof": "A" * (tp.MAX_PROOF_CHARS + 1)}) == "malformed"
+    assert refusal(verifier, {**victim, "proof": "not/base64url"}) == "malformed"
 
 
 def test_signatures_and_proofs_do_not_mix_across_batches_keys_or_modes() -> None:
@@ -161,7 +122,7 @@ def test_signatures_and_proofs_do_not_mix_across_batches_keys_or_modes() -> None
     }
     other, _ = _pair()
     foreign = _batch(other, 2)
-    single = asdict(signer.sign_leg(_leg(_prefill(0))))
+    single = asdict(signer.sign_leg(leg_of(prefill_fields(0))))
     assert not single["proof"]
     cases = {
         "batch b's signature on batch a's leg": {**a[0], "sig": b[0]["sig"]},
@@ -173,29 +134,29 @@ def test_signatures_and_proofs_do_not_mix_across_batches_keys_or_modes() -> None
         "unsigned": {**a[0], "sig": ""},
     }
     for what, fields in cases.items():
-        reason = _refused(verifier, fields)
+        reason = refusal(verifier, fields)
         assert reason == ("unsigned" if what == "unsigned" else "bad_signature"), what
     # A forged leaf: the genuine batch's signature and a proof built from its real siblings, over a
     # leg the scheduler never signed.
     forged = {**a[1], "decode_engine_id": "decode-9"}
-    assert _refused(verifier, forged) == "bad_signature"
+    assert refusal(verifier, forged) == "bad_signature"
 
 
 def test_the_verified_root_cache_never_accepts_a_bad_signature() -> None:
     signer, verifier = _pair()
     legs = _batch(signer, 2)
-    verifier.verify(_leg(legs[0]))
+    verifier.verify(leg_of(legs[0]))
     sig = _unb64(legs[0]["sig"])
     bad_sig = _b64(bytes([sig[0] ^ 1]) + sig[1:])
     # Same root (the same leg and proof), another signature: not the cached pair, so it is checked.
-    assert _refused(verifier, {**legs[1], "sig": bad_sig}) == "bad_signature"
-    verifier.verify(_leg(legs[1]))
+    assert refusal(verifier, {**legs[1], "sig": bad_sig}) == "bad_signature"
+    verifier.verify(leg_of(legs[1]))
 
 
 def test_batched_legs_expire_and_name_their_engine_like_single_ones() -> None:
     signer, verifier = _pair(ttl_s=60.0)
     legs = _batch(signer, 1)
-    prefill, decode = _leg(legs[0]), _leg(legs[1])
+    prefill, decode = leg_of(legs[0]), leg_of(legs[1])
     check_leg(prefill, "prefill-0", "prefill", verifier)
     check_leg(decode, "decode-0", "decode", verifier)
     for at, ok in ((NOW + 64.9, True), (NOW + 65.1, False)):
@@ -223,11 +184,11 @@ def test_the_connector_gate_refuses_bad_batched_legs(tmp_path: Any) -> None:
     def req(rid: str, fields: dict[str, Any]) -> Any:
         return SimpleNamespace(request_id=rid, kv_transfer_params={"kvpush": fields})
 
-    assert gate.of(req("ok", legs[1])) == _leg(legs[1])
+    assert gate.of(req("ok", legs[1])) == leg_of(legs[1])
     assert gate.of(req("other-proof", {**legs[1], "proof": legs[3]["proof"]})) is None
     assert gate.of(req("stripped", {**legs[1], "proof": ""})) is None
     assert gate.of(req("prefill-leg", legs[0])) is None  # wrong role
-    assert gate.of(req("ok-2", legs[3])) == _leg(legs[3])
+    assert gate.of(req("ok-2", legs[3])) == leg_of(legs[3])
 
 
 _legs = st.lists(st.sampled_from(["p", "d"]), min_size=1, max_size=40)
@@ -237,10 +198,10 @@ _legs = st.lists(st.sampled_from(["p", "d"]), min_size=1, max_size=40)
 @given(kinds=_legs, data=st.data())
 def test_property_batches_verify_and_any_proof_byte_change_fails(kinds: list[str], data: st.DataObject) -> None:
     signer, verifier = _pair()
-    legs = [_prefill(i) if k == "p" else _decode(i) for i, k in enumerate(kinds)]
+    legs = [prefill_fields(i) if k == "p" else decode_fields(i) for i, k in enumerate(kinds)]
     signer.seal_batch(legs)
     for fields in legs:
-        verifier.verify(_leg(fields))
+        verifier.verify(leg_of(fields))
     target = data.draw(st.integers(0, len(legs) - 1))
     proof = _unb64(legs[target]["proof"])
     if len(proof) == 1:
@@ -249,4 +210,4 @@ def test_property_batches_verify_and_any_proof_byte_change_fails(kinds: list[str
     bit = data.draw(st.integers(0, 7))
     flipped = bytearray(proof)
     flipped[pos] ^= 1 << bit
-    assert _refused(verifier, {**legs[target], "proof": _b64(bytes(flipped))}) == "bad_signature"
+    assert refusal(verifier, {**legs[target], "proof": _b64(bytes(flipped))}) == "bad_signature"

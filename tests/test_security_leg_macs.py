@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.json_format import MessageToDict
-from leg_support import field_tampers
+from leg_support import decode_fields, field_tampers, leg_of, prefill_fields, refusal
 from test_scheduler_registry import spec
 
 from kvpush.connector.config import ConnectorConfig
@@ -33,7 +33,7 @@ from kvpush.services.common import transfer_params as tp
 from kvpush.services.common.leg_macs import EngineKeyRing, LegMacer, engine_key, mac_of, write_master
 from kvpush.services.common.leg_signing import LegRefused, LegSigner, LegVerifier, check_leg
 from kvpush.services.common.security import Security, TlsFiles
-from kvpush.services.common.transfer_params import DecodeLeg, Leg, LegError, PrefillLeg, parse
+from kvpush.services.common.transfer_params import parse
 from kvpush.services.scheduler import convert
 from kvpush.services.scheduler.main import leg_signer_from_args, parse_args
 from kvpush.services.scheduler.model import AssignmentRecord, Role
@@ -43,27 +43,6 @@ from tests.scheduler_support import WAIT_S, info, run, scheduler
 
 NOW = 1_700_000_000.0
 MASTER = bytes(range(32))
-
-
-def _decode(i: int = 0, engine: str = "decode-0") -> dict[str, Any]:
-    return asdict(
-        DecodeLeg(
-            transfer_id=f"t-{i}",
-            epoch=100 + i,
-            prefill_engine_id="prefill-0",
-            prefill_incarnation="a,b",
-            prefill_tp_size=2,
-            prefill_agent_endpoints=["10.0.0.2:7100", "10.0.0.2:7101"],
-            prefill_rank_incarnations=["a", "b"],
-            decode_engine_id=engine,
-        )
-    )
-
-
-def _prefill(i: int = 0, engine: str = "prefill-0") -> dict[str, Any]:
-    return asdict(
-        PrefillLeg(transfer_id=f"t-{i}", decode_engine_id="decode-0", prefill_engine_id=engine, epoch=100 + i)
-    )
 
 
 def _macer(master: bytes = MASTER, ttl_s: float = 60.0) -> LegMacer:
@@ -78,22 +57,6 @@ def _engine(engine_id: str, *masters: bytes) -> LegVerifier:
     return LegVerifier(None, skew_s=5.0, clock=lambda: NOW, mac_keys=ring)
 
 
-def _leg(fields: dict[str, Any]) -> Leg:
-    leg = parse({"kvpush": fields})
-    assert leg is not None
-    return leg
-
-
-def _refused(verifier: LegVerifier, fields: dict[str, Any]) -> str:
-    try:
-        leg = _leg(fields)
-    except LegError:
-        return "malformed"
-    with pytest.raises(LegRefused) as err:
-        verifier.verify(leg)
-    return err.value.reason
-
-
 def test_engine_keys_are_per_engine_and_per_master() -> None:
     keys = {engine_key(m, e) for m in (MASTER, MASTER[::-1]) for e in ("decode-0", "decode-1", "prefill-0")}
     assert len(keys) == 6 and all(len(k) == leg_macs.KEY_BYTES for k in keys)
@@ -104,44 +67,44 @@ def test_engine_keys_are_per_engine_and_per_master() -> None:
 
 def test_a_macd_leg_verifies_for_its_engine_only() -> None:
     macer = _macer()
-    for fields, engine, role in ((_decode(), "decode-0", "decode"), (_prefill(), "prefill-0", "prefill")):
+    for fields, engine, role in ((decode_fields(), "decode-0", "decode"), (prefill_fields(), "prefill-0", "prefill")):
         macer.seal(fields)
         assert fields["expires_at"] == NOW + 60 and len(fields["mac"]) == leg_macs.MAC_CHARS
         assert not fields["sig"] and not fields["proof"]
         # The scheduler's copied HMAC state gives the MAC of the documented construction.
         assert fields["mac"] == mac_of(engine_key(MASTER, engine), tp.canonical_bytes(fields))
-        leg = _leg(json.loads(json.dumps(fields)))
+        leg = leg_of(json.loads(json.dumps(fields)))
         check_leg(leg, engine, role, _engine(engine, MASTER))
         as_doubles = {k: float(v) if type(v) is int else v for k, v in fields.items()}  # a Struct's numbers
-        _engine(engine, MASTER).verify(_leg(as_doubles))
+        _engine(engine, MASTER).verify(leg_of(as_doubles))
         # The same leg reaching another engine (which holds its own key) is refused: its MAC is not
         # under that engine's key, whatever the leg's engine id says.
         other = "decode-1" if role == "decode" else "prefill-1"
-        assert _refused(_engine(other, MASTER), fields) == "bad_signature"
+        assert refusal(_engine(other, MASTER), fields) == "bad_signature"
         # An engine that names itself in a leg MACed for another engine cannot make it verify.
         renamed = {**fields, ("decode_engine_id" if role == "decode" else "prefill_engine_id"): other}
-        assert _refused(_engine(other, MASTER), renamed) == "bad_signature"
+        assert refusal(_engine(other, MASTER), renamed) == "bad_signature"
 
 
 def test_any_field_tamper_of_a_macd_leg_fails() -> None:
     macer = _macer()
-    for fields, engine in ((macer.seal(_decode()), "decode-0"), (macer.seal(_prefill()), "prefill-0")):
+    for fields, engine in ((macer.seal(decode_fields()), "decode-0"), (macer.seal(prefill_fields()), "prefill-0")):
         verifier = _engine(engine, MASTER)
         for name, other in field_tampers(fields):
-            reason = _refused(verifier, {**fields, name: other})
+            reason = refusal(verifier, {**fields, name: other})
             assert reason in ("bad_signature", "malformed"), name
             if name != "prefill_tp_size":  # inconsistent with the endpoints: refused by parse
                 assert reason == "bad_signature", name
 
 
 def test_mac_faults_are_refused_with_their_reason() -> None:
-    fields = _macer().seal(_decode())
+    fields = _macer().seal(decode_fields())
     verifier = _engine("decode-0", MASTER)
     mac = fields["mac"]
     raw = base64.urlsafe_b64decode(mac + "=")
     flipped = base64.urlsafe_b64encode(bytes([raw[0] ^ 1]) + raw[1:]).rstrip(b"=").decode()
     signer = LegSigner(Ed25519PrivateKey.generate(), ttl_s=60, clock=lambda: NOW)
-    signed = signer.seal(_decode())
+    signed = signer.seal(decode_fields())
     cases = {
         "a flipped bit": ({**fields, "mac": flipped}, "bad_signature"),
         "a MAC a byte short": ({**fields, "mac": mac[:-2]}, "bad_signature"),
@@ -150,54 +113,54 @@ def test_mac_faults_are_refused_with_their_reason() -> None:
         "not a string": ({**fields, "mac": 7}, "malformed"),
         "a MAC and a signature": ({**fields, "sig": signed["sig"]}, "bad_signature"),
         "a MAC and a proof": ({**fields, "proof": "AQ"}, "bad_signature"),
-        "the MAC under an older master": (_macer(MASTER[::-1]).seal(_decode()), "bad_signature"),
+        "the MAC under an older master": (_macer(MASTER[::-1]).seal(decode_fields()), "bad_signature"),
         "the MAC stripped": ({**fields, "mac": ""}, "unsigned"),
     }
     for what, (bad, reason) in cases.items():
-        assert _refused(verifier, bad) == reason, what
+        assert refusal(verifier, bad) == reason, what
     # Expired: beyond the skew, refused; within it, accepted.
     late = LegVerifier(None, skew_s=5.0, clock=lambda: NOW + 66, mac_keys=verifier.mac_keys)
-    assert _refused(late, fields) == "expired"
-    LegVerifier(None, skew_s=5.0, clock=lambda: NOW + 64, mac_keys=verifier.mac_keys).verify(_leg(fields))
+    assert refusal(late, fields) == "expired"
+    LegVerifier(None, skew_s=5.0, clock=lambda: NOW + 64, mac_keys=verifier.mac_keys).verify(leg_of(fields))
 
 
 def test_an_engine_without_the_key_for_a_kind_of_leg_refuses_it_as_no_key() -> None:
-    macd = _macer().seal(_decode())
+    macd = _macer().seal(decode_fields())
     signer = LegSigner(Ed25519PrivateKey.generate(), ttl_s=60, clock=lambda: NOW)
-    signed = signer.seal(_decode())
+    signed = signer.seal(decode_fields())
     not_registered = LegVerifier(None, clock=lambda: NOW, mac_keys=EngineKeyRing())
-    assert _refused(not_registered, macd) == "no_key"  # MAC verification before the key arrived
-    assert _refused(not_registered, signed) == "no_key"  # no public key configured
-    assert _refused(LegVerifier(signer.public_key(), clock=lambda: NOW), macd) == "no_key"  # no mTLS
+    assert refusal(not_registered, macd) == "no_key"  # MAC verification before the key arrived
+    assert refusal(not_registered, signed) == "no_key"  # no public key configured
+    assert refusal(LegVerifier(signer.public_key(), clock=lambda: NOW), macd) == "no_key"  # no mTLS
     # An engine with both verifies both.
     both = LegVerifier(signer.public_key(), clock=lambda: NOW, mac_keys=_engine("decode-0", MASTER).mac_keys)
-    both.verify(_leg(macd))
-    both.verify(_leg(signed))
+    both.verify(leg_of(macd))
+    both.verify(leg_of(signed))
 
 
 def test_the_ring_keeps_the_current_and_previous_key_only() -> None:
     new = MASTER[::-1]
     third = bytes(32)
-    old_leg, new_leg, third_leg = (_macer(m).seal(_decode()) for m in (MASTER, new, third))
+    old_leg, new_leg, third_leg = (_macer(m).seal(decode_fields()) for m in (MASTER, new, third))
     verifier = _engine("decode-0", MASTER, new)  # rotated: registered again after a scheduler restart
-    verifier.verify(_leg(old_leg))  # minted just before the rotation: still good
-    verifier.verify(_leg(new_leg))
-    assert _refused(verifier, third_leg) == "bad_signature"
+    verifier.verify(leg_of(old_leg))  # minted just before the rotation: still good
+    verifier.verify(leg_of(new_leg))
+    assert refusal(verifier, third_leg) == "bad_signature"
     ring = verifier.mac_keys
     assert ring is not None
     assert ring.set(engine_key(new, "decode-0"))  # the same key again (every re-registration): no shift
-    verifier.verify(_leg(old_leg))
+    verifier.verify(leg_of(old_leg))
     assert ring.set(engine_key(third, "decode-0"))
-    verifier.verify(_leg(third_leg))
-    verifier.verify(_leg(new_leg))
-    assert _refused(verifier, old_leg) == "bad_signature"  # two rotations ago
+    verifier.verify(leg_of(third_leg))
+    verifier.verify(leg_of(new_leg))
+    assert refusal(verifier, old_leg) == "bad_signature"  # two rotations ago
     for bad in (b"", b"x" * 31, b"x" * 33):
         assert not ring.set(bad)
-    verifier.verify(_leg(third_leg))  # a refused key changed nothing
+    verifier.verify(leg_of(third_leg))  # a refused key changed nothing
 
 
 def test_params_json_carries_the_mac_and_round_trips() -> None:
-    fields = _macer().seal(_prefill())
+    fields = _macer().seal(prefill_fields())
     canonical = tp.canonical_bytes(fields)
     text = tp.params_json(canonical, mac=fields["mac"])
     leg = parse(json.loads(text))
