@@ -14,10 +14,11 @@ import grpc
 import pytest
 from google.protobuf import json_format
 
+from kvpush.services.common.leg_macs import write_master
 from kvpush.services.common.vllm_server import complete
 from kvpush.v1 import kvpush_pb2 as pb
 from scripts.cluster.pd import PDCluster, pd_cluster
-from tests.test_pd_e2e import _decode_load, _wait_free_blocks, prompt_of, prompt_sources
+from tests.test_pd_e2e import _decode_load, _wait_free_blocks, assert_pushed, prompt_of, prompt_sources
 
 pytestmark = pytest.mark.vllm
 
@@ -145,6 +146,47 @@ def test_scheduler_restart_with_requests_in_flight(cluster: PDCluster) -> None:
     assert _wait_free_blocks(cluster, free_before) == free_before
     for engine, free in prefill_before.items():
         assert _prefill_blocks_back(cluster, engine, free) == free, f"{engine} kept blocks"
+
+
+def test_mac_master_rotation_refuses_no_leg_minted_before_it(cluster: PDCluster) -> None:
+    """An operator rotates the scheduler's leg MAC master: a new key file, then a restart. A
+    request whose legs were minted under the old master and handed to vLLM after the rotation is
+    still pushed and token-exact (each engine keeps its previous key next to the one its new
+    registration brought); requests minted under the new master work as well."""
+    assert cluster.baseline is not None and cluster.scheduler.leg_mac_key is not None
+    master = cluster.scheduler.leg_mac_key
+    old_prompt, new_prompt = prompt_of(N_TOKENS, seed=31), prompt_of(N_TOKENS, seed=32)
+    a = cluster.stub.Assign(pb.AssignRequest(prompt_tokens=len(old_prompt), max_tokens=MAX_TOKENS), timeout=10)
+    legs = [
+        json_format.MessageToDict(a.prefill_kv_transfer_params),
+        json_format.MessageToDict(a.decode_kv_transfer_params),
+    ]
+    assert all(leg["kvpush"].get("mac") and not leg["kvpush"].get("sig") for leg in legs)
+    old_master = master.read_text()
+    write_master(master.parent, overwrite=True)
+    assert master.read_text() != old_master
+    cluster.scheduler.restart()
+    cluster.wait_registered(timeout_s=15)
+    want_new = complete(cluster.baseline.base_url, new_prompt, MAX_TOKENS)[0]
+    deadline = time.monotonic() + 15
+    while True:  # registered, then ready once the scheduler's probe saw /health
+        try:
+            assert cluster.generate(new_prompt, MAX_TOKENS, timeout_s=60)[0] == want_new
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, exc
+            time.sleep(0.1)
+
+    before = prompt_sources(cluster.decode)
+    pre = threading.Thread(target=lambda: complete(a.prefill.http_endpoint, old_prompt, 1, legs[0]))
+    pre.start()
+    got = complete(cluster.decode.base_url, old_prompt, MAX_TOKENS, legs[1], timeout=60)[0]
+    pre.join(60)
+    assert got == complete(cluster.baseline.base_url, old_prompt, MAX_TOKENS)[0]
+    assert_pushed(before, prompt_sources(cluster.decode), [len(old_prompt)])
+    for log_path in (cluster.decode.log_path, *(p.log_path for p in cluster.prefills)):
+        refused = [line for line in Path(log_path).read_text(errors="replace").splitlines() if "leg_refused" in line]
+        assert not any(a.transfer_id in line for line in refused), refused
 
 
 def test_undelivered_prefill_leg_fails_over_at_once(cluster: PDCluster) -> None:
