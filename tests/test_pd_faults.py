@@ -80,6 +80,20 @@ def _prefill_blocks_back(c: PDCluster, engine_id: str, want: int, timeout_s: flo
     return free
 
 
+def _generate_once_ready(c: PDCluster, prompt: list[int], want: list[int], timeout_s: float = 15.0) -> None:
+    """After a scheduler restart: instances register, then become assignable once the scheduler's
+    probe saw their /health; until then Generate answers RESOURCE_EXHAUSTED. Asserts the first
+    answer after that is ``want``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            assert c.generate(prompt, MAX_TOKENS, timeout_s=60)[0] == want
+            return
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, exc
+            time.sleep(0.1)  # polling the scheduler, bounded by the deadline
+
+
 def test_scheduler_restart_with_requests_in_flight(cluster: PDCluster) -> None:
     """The scheduler is SIGKILLed and restarted on its address with requests in flight: Generate
     streams end with UNAVAILABLE; a request whose legs a frontend already handed to vLLM finishes
@@ -135,14 +149,7 @@ def test_scheduler_restart_with_requests_in_flight(cluster: PDCluster) -> None:
 
     cluster.wait_registered(timeout_s=15)
     assert time.monotonic() - restarted < 15
-    deadline = time.monotonic() + 15
-    while True:  # registered, then ready once the scheduler's probe saw /health
-        try:
-            assert cluster.generate(prompt, MAX_TOKENS, timeout_s=60)[0] == want
-            break
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, exc
-            time.sleep(0.1)
+    _generate_once_ready(cluster, prompt, want)
     assert _wait_free_blocks(cluster, free_before) == free_before
     for engine, free in prefill_before.items():
         assert _prefill_blocks_back(cluster, engine, free) == free, f"{engine} kept blocks"
@@ -168,14 +175,7 @@ def test_mac_master_rotation_refuses_no_leg_minted_before_it(cluster: PDCluster)
     cluster.scheduler.restart()
     cluster.wait_registered(timeout_s=15)
     want_new = complete(cluster.baseline.base_url, new_prompt, MAX_TOKENS)[0]
-    deadline = time.monotonic() + 15
-    while True:  # registered, then ready once the scheduler's probe saw /health
-        try:
-            assert cluster.generate(new_prompt, MAX_TOKENS, timeout_s=60)[0] == want_new
-            break
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline, exc
-            time.sleep(0.1)
+    _generate_once_ready(cluster, new_prompt, want_new)
 
     before = prompt_sources(cluster.decode)
     pre = threading.Thread(target=lambda: complete(a.prefill.http_endpoint, old_prompt, 1, legs[0]))
