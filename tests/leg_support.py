@@ -72,3 +72,14 @@ def refusal(verifier: LegVerifier, fields: dict[str, Any]) -> str:
     with pytest.raises(LegRefused) as err:
         verifier.verify(leg)
     return err.value.reason
+
+
+def assert_every_tamper_refused(verifier: LegVerifier, fields: dict[str, Any]) -> None:
+    """Each field of an authenticated leg changed in turn (``field_tampers``): refused as
+    ``bad_signature``; ``malformed`` only for ``prefill_tp_size``, which then no longer matches the
+    endpoints and fails to parse."""
+    for name, other in field_tampers(fields):
+        reason = refusal(verifier, {**fields, name: other})
+        assert reason in ("bad_signature", "malformed"), name
+        if name != "prefill_tp_size":
+            assert reason == "bad_signature", name

@@ -15,7 +15,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from leg_support import decode_fields, field_tampers, leg_of, prefill_fields, refusal
+from leg_support import assert_every_tamper_refused, decode_fields, leg_of, prefill_fields, refusal
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.legs import LegGate
@@ -73,15 +73,10 @@ def test_a_single_leg_batch_still_carries_a_proof() -> None:
 def test_any_field_tamper_of_a_batched_leg_fails(index: int) -> None:
     signer, verifier = _pair()
     legs = _batch(signer, 3)
-    fields = legs[index]
-    for name, other in field_tampers(fields):
-        reason = refusal(verifier, {**fields, name: other})
-        assert reason in ("bad_signature", "malformed"), name
-        if name != "prefill_tp_size":  # inconsistent with the endpoints: refused by parse
-            assert reason == "bad_signature", name
+    assert_every_tamper_refused(verifier, legs[index])
 
 
-def test_proofs_that_lead_elsewhere_arerefusal() -> None:
+def test_proofs_that_lead_elsewhere_are_refused() -> None:
     signer, verifier = _pair()
     legs = _batch(signer, 4)
     victim = legs[2]

@@ -32,7 +32,6 @@ import hashlib
 import hmac
 import os
 import secrets
-import stat
 import sys
 import threading
 import time
@@ -40,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpush.services.common.leg_signing import DEFAULT_TTL_S, LegAuth, keygen_cli, write_private
+from kvpush.services.common.leg_signing import DEFAULT_TTL_S, LegAuth, keygen_cli, warn_if_exposed, write_private
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.transfer_params import canonical_bytes
 
@@ -111,8 +110,7 @@ class LegMacer:
             raise ValueError(f"leg MAC key {path}: {exc}") from exc
         if len(master) < KEY_BYTES:
             raise ValueError(f"leg MAC key {path}: needs at least {KEY_BYTES} bytes (64 hex digits)")
-        if mode & (stat.S_IRWXG | stat.S_IRWXO) & ~stat.S_IRGRP:
-            log.warning("leg_mac_key_permissions", path=str(path), mode=oct(stat.S_IMODE(mode)))
+        warn_if_exposed(path, mode, "leg_mac_key_permissions")
         return cls(master, ttl_s)
 
     def expiry(self) -> float:

@@ -166,8 +166,7 @@ class LegSigner:
             raise ValueError(f"leg signing key {path}: {exc}") from exc
         if not isinstance(key, Ed25519PrivateKey):
             raise ValueError(f"leg signing key {path}: not an Ed25519 private key")
-        if mode & (stat.S_IRWXG | stat.S_IRWXO) & ~stat.S_IRGRP:
-            log.warning("leg_signing_key_permissions", path=str(path), mode=oct(stat.S_IMODE(mode)))
+        warn_if_exposed(path, mode, "leg_signing_key_permissions")
         return cls(key, ttl_s)
 
     def expiry(self) -> float:
@@ -337,6 +336,13 @@ def write_keypair(out_dir: str | os.PathLike[str], overwrite: bool = False) -> t
     write_private(key_path, private_pem, 0o600)
     write_private(pub_path, public_pem, 0o644)
     return key_path, pub_path
+
+
+def warn_if_exposed(path: str | os.PathLike[str], mode: int, event: str) -> None:
+    """Logs ``event`` when a secret's file ``mode`` lets anyone but its owner (and its group, read
+    only: root:kvpush 0640) at it."""
+    if mode & (stat.S_IRWXG | stat.S_IRWXO) & ~stat.S_IRGRP:
+        log.warning(event, path=str(path), mode=oct(stat.S_IMODE(mode)))
 
 
 def write_private(path: Path, data: bytes, mode: int) -> None:
