@@ -93,6 +93,10 @@ class DecodeScheduler:
         self._delivered: list[str] = []  # tokens appended this step
         self._advance: set[str] = set()  # seeded requests to advance when they are first scheduled
         self._abandoned: list[str] = []  # ended while waiting for their token
+        # request -> a block of its own holding pushed KV, reported as failed to load should vLLM
+        # schedule the request before its token is in (PushMetadata.veto_blocks)
+        self._veto_block: dict[str, int] = {}
+        self._block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0)
         # Requests that ask for the hand-off but cannot have it here (their leg was refused, e.g.
         # expired while they queued; the agent is not up; a duplicate of a live request's leg):
         # served locally they would repeat the first token the frontend streamed, so they are
@@ -185,6 +189,7 @@ class DecodeScheduler:
                     ft = taken[0]
                     append_first_token(request, int(ft.token_id))
                     del self._want_token[rid]
+                    self._veto_block.pop(rid, None)
                     self._drop_tokens(tid)
                     self._delivered.append(rid)
                     if _is_seeded(request):
@@ -323,6 +328,37 @@ class DecodeScheduler:
                 return
             self._want_token[rid] = (leg.transfer_id, leg.prefill_engine_id, request)
             self._new_waiting.append(rid)
+            veto = self._own_block(request, every[0], skip)
+            if veto is not None:
+                self._veto_block[rid] = veto
+
+    def _own_block(self, request: Any, blocks: list[int], skip: int) -> int | None:
+        """The block holding the last pushed prompt position that vLLM counts as computed should
+        it schedule the request before its token is in (position ``num_prompt_tokens - 2``): one
+        of the blocks allocated for this push (index >= ``skip``), last in the prompt, so the least
+        likely to be shared by a prefix hit of another request (a partial block never is)."""
+        if self._block_size <= 0 or request.num_prompt_tokens < 2:
+            return None
+        idx = (request.num_prompt_tokens - 2) // self._block_size
+        return blocks[idx] if skip <= idx < len(blocks) else None
+
+    def _veto(self, meta: PushMetadata, rid: str) -> None:
+        """vLLM scheduled a hand-off request before its token was appended (never expected: the
+        workers hold its KV release until then): it would sample a first token of its own after
+        the one the frontend streamed. Its block is reported as failed to load, so vLLM fails it
+        and drops this step's output for it; it no longer waits for its token."""
+        tid = self._want_token.pop(rid)[0]
+        self._drop_tokens(tid)
+        self._abandoned.append(rid)
+        block = self._veto_block.pop(rid, None)
+        if block is not None:
+            meta.veto_blocks.append(block)
+        log.error(
+            "first_token_missing_at_schedule",
+            request_id=rid,
+            transfer_id=tid,
+            action="failed" if block is not None else "none: no block of its own to report",
+        )
 
     def build_connector_meta(self, scheduler_output: Any) -> PushMetadata:
         """Decode workers need the first-token hand-off's bookkeeping, and whether the step runs
@@ -331,12 +367,7 @@ class DecodeScheduler:
         if self._want_token:
             for new in scheduler_output.scheduled_new_reqs:
                 if new.req_id in self._want_token:
-                    # Never expected: the worker holds its KV release until the token is appended.
-                    log.error(
-                        "first_token_missing_at_schedule",
-                        request_id=new.req_id,
-                        transfer_id=self._want_token[new.req_id][0],
-                    )
+                    self._veto(meta, new.req_id)
         if self._want_token or self._tokens or self._token_inbox:
             self._take_tokens(time.monotonic())
         if self._new_waiting:
@@ -380,6 +411,7 @@ class DecodeScheduler:
         self._duplicates.discard(rid)
         self._handoff_refused.pop(rid, None)
         self._advance.discard(rid)
+        self._veto_block.pop(rid, None)
         if self._want_token.pop(rid, None) is not None:
             self._abandoned.append(rid)  # its worker stops waiting for the token
             if tid is not None:

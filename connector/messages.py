@@ -66,6 +66,11 @@ class PushMetadata(KVConnectorMetadata):
     # Decode: requests whose load the workers report failed at once (never reserved: a hand-off leg
     # whose transfer id another live request holds; docs/first_token.md).
     fail_loads: list[str] = field(default_factory=list)
+    # Decode: one block of each hand-off request vLLM scheduled before its first token was appended
+    # (never expected: the workers hold its KV release until then). The workers report these blocks
+    # as failed to load in this step's output, so vLLM fails the request and drops what this step
+    # sampled for it, rather than stream decode's own first token after the frontend's.
+    veto_blocks: list[int] = field(default_factory=list)
     # Decode: tokens this step's forward computes (0: a step without a forward), so the decode
     # rank's NIXL poller naps longer while the engine decodes on its core (cadence.py).
     forward_tokens: int = 0

@@ -56,6 +56,7 @@ class KvPushConnector(KVConnectorBase_V1):
         # One half per process, of this engine's role (connector/roles.py).
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
+        self._load_errors: set[int] = set()
         if role == KVConnectorRole.SCHEDULER:
             if self.cfg.role == "decode":
                 from kvpush.connector.decode_scheduler import DecodeScheduler
@@ -160,11 +161,19 @@ class KvPushConnector(KVConnectorBase_V1):
         if self.worker is None:
             return KVConnectorTransferResults()
         res = self.worker.transfer_results(finished_req_ids)
+        self._load_errors = res.invalid_block_ids
         return KVConnectorTransferResults(
             finished_sending=res.finished_sending,
             finished_recving=res.finished_recving,
             failed_recving=res.failed_recving,
         )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of vetoed hand-off requests (``PushMetadata.veto_blocks``), from this step's
+        ``get_transfer_results``: vLLM fails the requests that hold them (load failure policy
+        ``fail``, which the hand-off requires) and drops this step's output for them."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         res = self.get_transfer_results(finished_req_ids)

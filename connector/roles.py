@@ -49,6 +49,7 @@ class TransferResults:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     failed_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)  # vLLM fails the requests holding them
 
 
 class WorkerHalf(Protocol):

@@ -61,6 +61,7 @@ class DecodeWorker:
         self._held: dict[str, tuple[Released, float]] = {}
         self._ready: list[Released] = []
         self._fail_now: list[str] = []  # loads to report failed at once (PushMetadata.fail_loads)
+        self._veto_blocks: set[int] = set()  # blocks to report invalid (PushMetadata.veto_blocks)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         rank, tp, desc, engine = _describe(self.cfg, kv_caches, self.model_id, self.incarnation, "d")
@@ -111,6 +112,7 @@ class DecodeWorker:
             if held is not None:
                 self._ready.append(held[0])
         self._fail_now.extend(meta.fail_loads)
+        self._veto_blocks.update(meta.veto_blocks)
         for rid in meta.advance_sampler:
             if not sampler_state.advance_one_step(rid):
                 log.warning("sampler_not_advanced", request_id=rid)
@@ -119,8 +121,11 @@ class DecodeWorker:
         """Requests the rank's barriers released (finished_recving), each exactly once; those not
         released OK also in failed_recving. A request waiting for its first token (hand-off) is
         reported once its token was appended, or as failed after ``first_token_wait_s``; a load
-        the scheduler half refused (``PushMetadata.fail_loads``) is reported failed at once."""
+        the scheduler half refused (``PushMetadata.fail_loads``) is reported failed at once, and a
+        vetoed request's block (``PushMetadata.veto_blocks``) as one that failed to load."""
         out = TransferResults()
+        if self._veto_blocks:
+            out.invalid_block_ids, self._veto_blocks = self._veto_blocks, set()
         if self._fail_now:
             out.finished_recving.update(self._fail_now)
             out.failed_recving.update(self._fail_now)

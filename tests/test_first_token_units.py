@@ -36,6 +36,7 @@ def _vllm(worker_cls: str = WORKER_QUALNAME, policy: str = "fail", vocab: int = 
         parallel_config=SimpleNamespace(tensor_parallel_size=1, worker_cls=worker_cls),
         kv_transfer_config=SimpleNamespace(kv_load_failure_policy=policy),
         model_config=SimpleNamespace(get_vocab_size=lambda: vocab),
+        cache_config=SimpleNamespace(block_size=BLOCK),
     )
 
 
@@ -69,11 +70,16 @@ class _Agent:
 
 
 class _Blocks:
+    """A request's blocks: ``cached`` from the local prefix cache first, then ``new`` ones."""
+
+    def __init__(self, new: tuple[int, ...] = (1, 2), cached: tuple[int, ...] = ()) -> None:
+        self.new, self.cached = list(new), list(cached)
+
     def get_unhashed_block_ids_all_groups(self) -> list[list[int]]:
-        return [[1, 2]]
+        return [self.new]
 
     def get_block_ids(self) -> list[list[int]]:
-        return [[1, 2]]
+        return [self.cached + self.new]
 
 
 def _leg(tid: str = "t", first_token: bool = True) -> DecodeLeg:
@@ -393,6 +399,48 @@ def test_a_handoff_request_vllm_loads_nothing_for_is_logged_as_an_error() -> Non
     with capture_logs() as logs:
         s.update_state_after_alloc(plain, _Blocks(), 0)
     assert not [e for e in logs if e["log_level"] == "error"]
+
+
+def test_a_handoff_request_scheduled_before_its_token_is_failed_not_computed() -> None:
+    """Should vLLM ever schedule a hand-off request before its token was appended (the workers
+    hold its KV release, so never expected), decode would sample a first token of its own after
+    the frontend's: the step reports one of its own blocks as failed to load, so vLLM fails the
+    request and drops what the step sampled; it no longer waits for a token."""
+    s, _ = _decode()
+    r = _request("r", list(range(3, 40)), _leg())  # 37 tokens: blocks 0-2, position 35 in block 2
+    assert s.get_num_new_matched_tokens(r, 0) == (37, True)
+    s.update_state_after_alloc(r, _Blocks(new=(11, 12, 13)), 37)
+    assert _step(s).veto_blocks == []  # waiting for its KV and its token: nothing to veto
+    meta = _step(s, ("r",))
+    assert meta.veto_blocks == [13] and meta.first_token_abandoned == ["r"]
+    s._first_tokens([_token(token=7)])  # too late: never appended to a request that fails
+    assert _step(s).first_token_delivered == [] and r.num_prompt_tokens == 37
+    s.request_finished(r)
+    assert not s._veto_block and not s._want_token
+
+
+def test_a_vetoed_request_never_names_a_block_another_request_may_share() -> None:
+    s, _ = _decode()
+    # The whole prompt but its last block came from the local prefix cache: the block to report
+    # would be a cached (shareable) one, so nothing is reported; the error is still logged.
+    r = _request("r", list(range(3, 3 + 2 * BLOCK + 1)), _leg())
+    s.get_num_new_matched_tokens(r, 2 * BLOCK)
+    s.update_state_after_alloc(r, _Blocks(new=(13,), cached=(11, 12)), 1)
+    assert _step(s, ("r",)).veto_blocks == []
+    # A token appended in time leaves nothing to veto.
+    r2 = _request("r2", list(range(3, 40)), _leg("t2"))
+    s.get_num_new_matched_tokens(r2, 0)
+    s.update_state_after_alloc(r2, _Blocks(new=(21, 22, 23)), 37)
+    s._first_tokens([_token("t2", token=7)])
+    assert _step(s).first_token_delivered == ["r2"]
+    assert _step(s, ("r2",)).veto_blocks == [] and "r2" not in s._veto_block
+
+
+def test_worker_reports_vetoed_blocks_as_failed_loads_once() -> None:
+    w, _ = _worker()
+    w.wait_for_save(_meta(veto_blocks=[13, 21]))
+    assert w.transfer_results().invalid_block_ids == {13, 21}
+    assert w.transfer_results().invalid_block_ids == set()
 
 
 def test_legs_without_the_handoff_wait_for_nothing() -> None:

@@ -1,0 +1,75 @@
+"""Fault injection for real vLLM processes in tests: on ``PYTHONPATH`` of an engine started by a
+test, Python imports this module at start-up. ``KVPUSH_TEST_FAULT`` names the fault; without it
+nothing is patched. The patch is applied when the module it changes is first imported, so the
+engine starts as usual.
+
+``handoff_release_early``: a decode engine's workers stop holding a first-token hand-off request's
+KV release for its token, and its scheduler half drops every relayed token: vLLM then schedules
+hand-off requests before their token is in, the state the connector's veto exists for
+(``PushMetadata.veto_blocks``)."""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+FAULT = os.environ.get("KVPUSH_TEST_FAULT", "")
+
+
+def _patch_workers(mod: ModuleType) -> None:
+    original = mod.DecodeWorker.wait_for_save
+
+    def wait_for_save(self: Any, meta: Any) -> None:
+        if meta is not None:
+            meta.awaiting_first_token = []  # release the KV without waiting for the token
+        original(self, meta)
+
+    mod.DecodeWorker.wait_for_save = wait_for_save
+
+
+def _patch_decode_scheduler(mod: ModuleType) -> None:
+    mod.DecodeScheduler._first_tokens = lambda self, tokens: None  # every relayed token is lost
+
+
+PATCHES = {
+    "handoff_release_early": {
+        "kvpush.connector.workers": _patch_workers,
+        "kvpush.connector.decode_scheduler": _patch_decode_scheduler,
+    },
+}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    def __init__(self, patches: dict[str, Any]) -> None:
+        self.patches = dict(patches)
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        patch = self.patches.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
+            spec = finder.find_spec(name, path, target) if hasattr(finder, "find_spec") else None
+            if spec is not None and spec.loader is not None:
+                loader = spec.loader
+                exec_module = loader.exec_module
+
+                def exec_and_patch(module: ModuleType, exec_module: Any = exec_module, patch: Any = patch) -> None:
+                    exec_module(module)
+                    patch(module)
+                    sys.stderr.write(f"kvpush test fault {FAULT}: patched {name}\n")
+
+                loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+                return spec
+        return None
+
+
+if FAULT in PATCHES:
+    sys.meta_path.insert(0, _PatchOnImport(PATCHES[FAULT]))
+elif FAULT:
+    sys.stderr.write(f"kvpush test fault {FAULT!r} is unknown\n")
