@@ -6,7 +6,7 @@ export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install system-deps lock proto proto-check typecheck check test test-uni test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff bench-phases bench-request-start soak test-faults demo certs install-systemd clean
+.PHONY: install system-deps lock proto proto-check typecheck check test test-mp test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff bench-phases bench-request-start soak test-faults demo certs install-systemd clean
 
 # Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
 install:
@@ -46,11 +46,12 @@ check: proto-check lint typecheck
 # Everything CI runs: the static checks, then every test (real gRPC, NIXL and vLLM).
 test: install system-deps check
 	$(PY) -m pytest -q -ra --durations=15 tests
+	$(MAKE) --no-print-directory test-mp
 
-# The P/D end-to-end tests with the model in the EngineCore process (vLLM's GPU one-rank shape;
-# not in `make test` until the first-token hand-off race seen once under it is fixed).
-test-uni: install
-	KVPUSH_VLLM_EXECUTOR=uni $(PY) -m pytest -q -ra tests/test_pd_e2e.py tests/test_first_token_e2e.py tests/test_pd_faults.py
+# The P/D end-to-end tests again with vLLM's multiprocess executor (its CPU default, and the shape
+# of a tensor-parallel engine): the connector's scheduler and worker halves in separate processes.
+test-mp: install
+	KVPUSH_VLLM_EXECUTOR=mp $(PY) -m pytest -q -ra tests/test_pd_e2e.py tests/test_first_token_e2e.py tests/test_first_token_veto_e2e.py tests/test_pd_faults.py
 
 # The fault-injection suite alone (all of it also runs in `make test`): kill -9, cut, drop,
 # duplicate, delay, restart, on the transfer core, network namespaces and real vLLM.

