@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.legs import LegGate
@@ -60,6 +60,17 @@ def append_first_token(request: Any, token: int) -> None:
     request.update_block_hashes()
 
 
+class _WantToken(NamedTuple):
+    """A hand-off request reserved on this engine whose first token is not appended yet."""
+
+    transfer_id: str
+    leg_prefill: str  # the prefill its leg names (a rerouted one is asked of the agent)
+    request: Any  # vLLM's Request, to append the token to
+    # A block of its own holding pushed KV, reported as failed to load should vLLM schedule the
+    # request before its token is in (PushMetadata.veto_blocks); None: none it could name.
+    veto_block: int | None
+
+
 class DecodeScheduler:
     def __init__(self, cfg: ConnectorConfig, vllm_config: Any) -> None:
         self.cfg = cfg
@@ -88,14 +99,11 @@ class DecodeScheduler:
         self._tokens: dict[str, dict[str, tuple[pb.FirstToken, float, int]]] = {}
         self._pending_tokens = 0
         self._token_seq = 0  # relay order
-        self._want_token: dict[str, tuple[str, str, Any]] = {}  # request -> (transfer, leg's prefill, request)
+        self._want_token: dict[str, _WantToken] = {}  # hand-off requests reserved, token not appended yet
         self._new_waiting: list[str] = []  # reserved this step, waiting for their token too
         self._delivered: list[str] = []  # tokens appended this step
         self._advance: set[str] = set()  # seeded requests to advance when they are first scheduled
         self._abandoned: list[str] = []  # ended while waiting for their token
-        # request -> a block of its own holding pushed KV, reported as failed to load should vLLM
-        # schedule the request before its token is in (PushMetadata.veto_blocks)
-        self._veto_block: dict[str, int] = {}
         self._block_size = int(getattr(getattr(vllm_config, "cache_config", None), "block_size", 0) or 0)
         # Requests that ask for the hand-off but cannot have it here (their leg was refused, e.g.
         # expired while they queued; the agent is not up; a duplicate of a live request's leg):
@@ -179,7 +187,7 @@ class DecodeScheduler:
             rid = self._holders.get(tid)
             want = self._want_token.get(rid) if rid is not None else None
             if want is not None:
-                _, leg_prefill, request = want
+                leg_prefill, request = want.leg_prefill, want.request
                 current = self.agent.prefill_of(tid) if self.agent is not None else None
                 # The earliest relayed of the acceptable ones: the token Generate streamed too.
                 candidates = [per[p] for p in {leg_prefill, current} if p is not None and p in per]
@@ -189,7 +197,6 @@ class DecodeScheduler:
                     ft = taken[0]
                     append_first_token(request, int(ft.token_id))
                     del self._want_token[rid]
-                    self._veto_block.pop(rid, None)
                     self._drop_tokens(tid)
                     self._delivered.append(rid)
                     if _is_seeded(request):
@@ -326,11 +333,9 @@ class DecodeScheduler:
                 log.warning("first_token_handoff_refused", transfer_id=leg.transfer_id, request_id=rid, reason=why)
                 self.agent.cancel(leg.transfer_id, f"first-token hand-off not possible: {why}", epoch=epoch)
                 return
-            self._want_token[rid] = (leg.transfer_id, leg.prefill_engine_id, request)
-            self._new_waiting.append(rid)
             veto = self._own_block(request, every[0], skip)
-            if veto is not None:
-                self._veto_block[rid] = veto
+            self._want_token[rid] = _WantToken(leg.transfer_id, leg.prefill_engine_id, request, veto)
+            self._new_waiting.append(rid)
 
     def _own_block(self, request: Any, blocks: list[int], skip: int) -> int | None:
         """The block holding the last pushed prompt position that vLLM counts as computed should
@@ -347,10 +352,10 @@ class DecodeScheduler:
         workers hold its KV release until then): it would sample a first token of its own after
         the one the frontend streamed. Its block is reported as failed to load, so vLLM fails it
         and drops this step's output for it; it no longer waits for its token."""
-        tid = self._want_token.pop(rid)[0]
+        want = self._want_token.pop(rid)
+        tid, block = want.transfer_id, want.veto_block
         self._drop_tokens(tid)
         self._abandoned.append(rid)
-        block = self._veto_block.pop(rid, None)
         if block is not None:
             meta.veto_blocks.append(block)
         log.error(
@@ -389,7 +394,9 @@ class DecodeScheduler:
         for rid in finished_recving:
             if rid in self._want_token and (failed is None or rid not in failed):
                 # Never expected: a hand-off request's load is reported only once its token is in.
-                log.error("first_token_kv_released_early", request_id=rid, transfer_id=self._want_token[rid][0])
+                log.error(
+                    "first_token_kv_released_early", request_id=rid, transfer_id=self._want_token[rid].transfer_id
+                )
             self._cancelling.discard(rid)
             self._unfilled.pop(rid, None)
             reserved = self._reserved.get(rid)
@@ -411,7 +418,6 @@ class DecodeScheduler:
         self._duplicates.discard(rid)
         self._handoff_refused.pop(rid, None)
         self._advance.discard(rid)
-        self._veto_block.pop(rid, None)
         if self._want_token.pop(rid, None) is not None:
             self._abandoned.append(rid)  # its worker stops waiting for the token
             if tid is not None:

@@ -416,7 +416,7 @@ def test_a_handoff_request_scheduled_before_its_token_is_failed_not_computed() -
     s._first_tokens([_token(token=7)])  # too late: never appended to a request that fails
     assert _step(s).first_token_delivered == [] and r.num_prompt_tokens == 37
     s.request_finished(r)
-    assert not s._veto_block and not s._want_token
+    assert not s._want_token  # its veto block went with it
 
 
 def test_a_vetoed_request_never_names_a_block_another_request_may_share() -> None:
@@ -433,7 +433,7 @@ def test_a_vetoed_request_never_names_a_block_another_request_may_share() -> Non
     s.update_state_after_alloc(r2, _Blocks(new=(21, 22, 23)), 37)
     s._first_tokens([_token("t2", token=7)])
     assert _step(s).first_token_delivered == ["r2"]
-    assert _step(s, ("r2",)).veto_blocks == [] and "r2" not in s._veto_block
+    assert _step(s, ("r2",)).veto_blocks == [] and "r2" not in s._want_token
 
 
 def test_worker_reports_vetoed_blocks_as_failed_loads_once() -> None:
