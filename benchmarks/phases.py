@@ -93,11 +93,15 @@ class Trace:
         self.forwards = sorted(serving._ts(r) for r in serving.parse_events(p_log, 0, "forward_done"))
         self.writes = by_tid(p_log, "write_finished")
         self.released = {tid: serving._ts(r) for tid, r in by_tid(d_log, "transfer_released").items()}
+        self.d_scheduled = by_rid(d_log, "request_scheduled")
+        self.d_forwards = sorted(serving._ts(r) for r in serving.parse_events(d_log, 0, "forward_done"))
 
-    def forward_end(self, scheduled: float) -> float:
-        """The first forward that ended after ``scheduled`` (requests run one at a time here)."""
-        i = bisect.bisect_right(self.forwards, scheduled)
-        return self.forwards[i] if i < len(self.forwards) else float("nan")
+    def forward_end(self, scheduled: float, forwards: list[float] | None = None) -> float:
+        """The first forward (prefill's, or of ``forwards``) that ended after ``scheduled``
+        (requests run one at a time here)."""
+        forwards = self.forwards if forwards is None else forwards
+        i = bisect.bisect_right(forwards, scheduled)
+        return forwards[i] if i < len(forwards) else float("nan")
 
     def first_after(self, times: list[float], t: float) -> float:
         i = bisect.bisect_right(times, t)
@@ -158,9 +162,9 @@ async def measure(
             async def assign(prompt: list[int]) -> Any:
                 return await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=30)
 
-            def decode_leg(prompt: list[int], a: Any) -> asyncio.Task[list[float]]:
+            def decode_leg(prompt: list[int], a: Any, rid: str | None = None) -> asyncio.Task[list[float]]:
                 params = MessageToDict(a.decode_kv_transfer_params)
-                return asyncio.create_task(_stream(c, d_url, prompt, n, params, uuid.uuid4().hex))
+                return asyncio.create_task(_stream(c, d_url, prompt, n, params, rid or uuid.uuid4().hex))
 
             async def prefill_leg(prompt: list[int], a: Any, rid: str) -> None:
                 await c.once(p_url, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), rid)
@@ -191,13 +195,15 @@ async def measure(
                 t0 = time.time()
                 a = await assign(prompt)
                 t1 = time.time()
-                p_rid = uuid.uuid4().hex
-                decode = decode_leg(prompt, a)
+                p_rid, d_rid = uuid.uuid4().hex, uuid.uuid4().hex
+                decode = decode_leg(prompt, a, d_rid)
                 await prefill_leg(prompt, a, p_rid)
                 t2 = time.time()
                 d_tokens = await decode
                 await serving_proxies.release_assignment(stub, a, pb.OUTCOME_OK)
-                row.update(tid=a.transfer_id, sent=t0, assigned=t1, p_rid=p_rid, p_answer=t2, d_tokens=d_tokens)
+                row.update(
+                    tid=a.transfer_id, sent=t0, assigned=t1, p_rid=p_rid, d_rid=d_rid, p_answer=t2, d_tokens=d_tokens
+                )
                 g0 = time.time()
                 g_tokens: list[float] = []
                 req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -245,7 +251,15 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
         put("pd.forward_to_write", w_end - w_ms - fwd)
         put("pd.write", w_ms)
         put("pd.write_to_release", trace.released.get(r["tid"], float("nan")) - w_end)
-        put("pd.release_to_first_token", r["d_tokens"][0] - trace.released.get(r["tid"], float("nan")))
+        released = trace.released.get(r["tid"], float("nan"))
+        put("pd.release_to_first_token", r["d_tokens"][0] - released)
+        d_sched = trace.d_scheduled.get(r.get("d_rid", ""), float("nan"))
+        d_fwd = trace.forward_end(d_sched, trace.d_forwards)
+        put("pd.release_to_scheduled", d_sched - released)
+        put("pd.decode_forward", d_fwd - d_sched)
+        put("pd.forward_to_first_token", r["d_tokens"][0] - d_fwd)
+        put("generate.first_to_second_token", r["g_tokens"][1] - r["g_tokens"][0])
+        put("plain.first_to_second_token_decode", r["plain_d"][1] - r["plain_d"][0])
         put("pd.ttft_decode", r["d_tokens"][0] - r["sent"])
         put("generate.ttft", r["g_tokens"][0] - r["g_sent"])
         for k, v in trace.prefill_split(None, r["g_sent"], r["g_tokens"][0]).items():
@@ -330,6 +344,11 @@ def markdown(res: dict[str, Any]) -> str:
         f"| WRITE (plan, post, complete) | {p['pd.write']:.2f} |",
         f"| WRITE done → decode releases | {p['pd.write_to_release']:.2f} |",
         f"| release → decode's first token | {p['pd.release_to_first_token']:.1f} |",
+        f"| of it: release → decode schedules it | {p['pd.release_to_scheduled']:.2f} |",
+        f"| of it: → decode's forward done | {p['pd.decode_forward']:.2f} |",
+        f"| of it: → first token at the client | {p['pd.forward_to_first_token']:.2f} |",
+        f"| `Generate`: first → second token (plain decode's: "
+        f"{p['plain.first_to_second_token_decode']:.2f}) | {p['generate.first_to_second_token']:.2f} |",
         f"| decode running a plain request meanwhile: WRITE done → decode releases | "
         f"{p.get('busy.write_to_release', float('nan')):.2f} |",
         f"| decode running a plain request meanwhile: release → decode's first token | "

@@ -75,6 +75,9 @@ class ConnectorConfig:
     # every transport); "none" lets cma WRITEs complete without the target calling into NIXL.
     ucx_error_handling_mode: str = ""
     load_report_ms: int = 500
+    # Decode: wake vLLM's engine loop from its 1 ms idle wait when a transfer is released or a
+    # first token arrives (connector/engine_wake.py); false keeps vLLM's fixed sleep.
+    engine_wake: bool = True
     # Decode: offer the first-token hand-off (docs/first_token.md). Takes effect only with vLLM's
     # kv_load_failure_policy "fail" and --worker-cls kvpush.connector.vllm_worker.KvPushWorker.
     first_token_handoff: bool = True

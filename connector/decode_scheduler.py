@@ -11,6 +11,7 @@ import time
 from typing import Any, NamedTuple
 
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.engine_wake import ENGINE_WAKE
 from kvpush.connector.legs import LegGate
 from kvpush.connector.messages import PushMetadata, RankHandshake
 from kvpush.connector.registration import Registration, engine_incarnation, model_vocab_size, register_engine
@@ -156,6 +157,7 @@ class DecodeScheduler:
         """Relayed first tokens (registration thread): taken at the next step."""
         with self._token_lock:
             self._token_inbox.extend(tokens)
+        ENGINE_WAKE.notify()  # the next step appends it; an idle engine runs that step now
 
     def _take_tokens(self, now: float) -> None:
         """Moves relayed tokens into ``_tokens`` and appends one to the prompt of the request

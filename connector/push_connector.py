@@ -62,6 +62,10 @@ class KvPushConnector(KVConnectorBase_V1):
                 from kvpush.connector.decode_scheduler import DecodeScheduler
 
                 self.scheduler = DecodeScheduler(self.cfg, vllm_config)
+                if self.cfg.engine_wake:
+                    from kvpush.connector.engine_wake import install
+
+                    install()
             else:
                 from kvpush.connector.prefill_scheduler import PrefillScheduler
 
@@ -101,9 +105,12 @@ class KvPushConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.cfg.role == "decode":
-            self._sched.update_connector_output(
-                set(connector_output.finished_recving or ()), set(connector_output.failed_recving or ())
-            )
+            finished = set(connector_output.finished_recving or ())
+            self._sched.update_connector_output(finished, set(connector_output.failed_recving or ()))
+            if finished:
+                from kvpush.connector.engine_wake import ENGINE_WAKE
+
+                ENGINE_WAKE.notify()  # vLLM schedules them in the next step: no idle wait before it
         else:
             self._sched.update_connector_output(set(connector_output.finished_sending or ()))
 

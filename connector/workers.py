@@ -16,6 +16,7 @@ from typing import Any
 from kvpush.connector import sampler_state
 from kvpush.connector.compute_fence import Fence, FenceFactory, FenceGate, NoFence, fence_factory
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.engine_wake import ENGINE_WAKE
 from kvpush.connector.kv_layout import KvDescription, describe
 from kvpush.connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake, UnreservedPrefill
 from kvpush.connector.roles import TransferResults
@@ -76,7 +77,8 @@ class DecodeWorker:
             busy_poll_s=self.cfg.busy_poll_interval_us * 1e-6,
             security=self.cfg.security(f"decode-rank {self.cfg.engine_id}/{rank}"),
         )
-        self.rank = create_rank(rcfg, engine, desc.regions)
+        # A release wakes vLLM's engine loop from its idle wait to report it now (engine_wake.py).
+        self.rank = create_rank(rcfg, engine, desc.regions, on_queued=ENGINE_WAKE.notify)
         self.cfg.serve_metrics(1 + rank)
         layout = self.rank.layout()
         layout.completion_endpoint = self.cfg.advertised(self.rank.port)

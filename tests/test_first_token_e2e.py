@@ -93,6 +93,8 @@ def test_near_ties_greedy_equal_single_instance_and_continue_from_prefills_token
         assert ttft > 0
     # Decode appended prefill's first token to each request's prompt: it continued from it.
     assert _appended(cluster.decode) - before == len(chosen)
+    # ... with its engine loop woken by releases (connector/engine_wake.py) on this vLLM.
+    assert "engine_wake_on" in cluster.decode.log_path.read_text(errors="replace")
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.3])

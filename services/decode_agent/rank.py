@@ -91,13 +91,17 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         engine: NixlEngine,
         local: RankRegions,
         on_release: Callable[[Released], None] | None = None,
+        on_queued: Callable[[], None] | None = None,
     ) -> None:
+        """Releases go to ``on_release`` when given, else to ``take_released``'s queue, after
+        which ``on_queued`` is called (the connector wakes vLLM's engine loop with it)."""
         self.config = config
         self.security = config.security or Security.insecure(f"decode-rank {config.engine_id}/{config.rank}")
         self.engine = engine
         self.local = local
         self.table = BarrierTable(tombstone_s=config.tombstone_s, max_pending=config.max_pending_barriers)
         self._on_release = on_release
+        self._on_queued = on_queued
         self._released: Handoff[Released] = Handoff()
         self._loop = LoopThread(f"kvpush-decode-rank-{config.rank}")
         self._server: grpc.aio.Server | None = None
@@ -244,6 +248,8 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             self._on_release(rel)
         else:
             self._released.put(rel)
+            if self._on_queued is not None:
+                self._on_queued()
 
     # ----- gRPC ---------------------------------------------------------------------------
 
@@ -364,8 +370,9 @@ def create_rank(
     engine: NixlEngine,
     local: RankRegions,
     on_release: Callable[[Released], None] | None = None,
+    on_queued: Callable[[], None] | None = None,
 ) -> DecodeRank:
     """Registers the rank's regions with NIXL (once: memory the engine already registered is
     skipped) and starts its server."""
     engine.register(register_spans(local), *local.memory())
-    return DecodeRank(config, engine, local, on_release).start()
+    return DecodeRank(config, engine, local, on_release, on_queued).start()
