@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from kvpush.connector.config import ConnectorConfig
+from kvpush.connector.handoff_holds import HANDOFF_HOLDS
 from kvpush.connector.legs import LegGate
 from kvpush.connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake, UnreservedPrefill
 from kvpush.connector.registration import Registration, model_vocab_size, register_engine
@@ -58,6 +59,7 @@ class PrefillScheduler:
             on_leg_failures=self._leg_failures,
             vocab_size=self._vocab_size,
             leg_keys=self.legs.mac_keys,
+            on_tokens_sent=HANDOFF_HOLDS.token_sent if self.cfg.push_on_token_sent else None,
         )
 
     def _leg_failures(self, failures: list[pb.LegFailure]) -> None:

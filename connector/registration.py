@@ -1,8 +1,9 @@
 """Keeps one vLLM instance registered with the kvpush scheduler: ``Register`` once, then a load
 stream whose reports renew the lease. Runs on its own daemon thread; reconnects with backoff.
 
-First tokens (prefill, first-token hand-off) ride on the reports and are delivered at least once: a
-report's tokens count as delivered only when the scheduler acks that report (it relays them before
+First tokens (prefill, first-token hand-off) go to the scheduler at once in their own call
+(``ReportFirstTokens``), from the thread that sampled them. A token that call cannot deliver rides
+on the reports instead, and is delivered at least once: a report's tokens count as delivered only when the scheduler acks that report (it relays them before
 it acks). Tokens of reports the stream lost unacked (the scheduler restarted, or declared this
 engine dead while it was starved of CPU and refused its report) go out again on the next stream,
 until ``first_token_wait_s`` after they were sampled, when decode has given up on them anyway.
@@ -10,6 +11,7 @@ A token relayed twice is harmless: decode and Generate take the first one for a 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections import deque
@@ -33,6 +35,7 @@ if TYPE_CHECKING:
 
 log = get_logger("kvpush.connector.registration")
 
+DIRECT_TOKEN_TIMEOUT_S = 2.0  # a direct first-token send; then the load stream carries the token
 _Sampled = tuple[pb.FirstToken, float]  # a first token and when it was sampled (monotonic)
 
 
@@ -56,6 +59,7 @@ class Registration:
         on_leg_failures: Callable[[list[pb.LegFailure]], None] | None = None,
         on_first_tokens: Callable[[list[pb.FirstToken]], None] | None = None,
         leg_keys: EngineKeyRing | None = None,
+        on_tokens_sent: Callable[[list[str]], None] | None = None,
     ) -> None:
         """``leg_keys``: where the leg MAC key a registration brings goes (the connector's verifier).
         ``on_leg_failures``: called (on this thread) with what the scheduler pushes on the load
@@ -69,11 +73,18 @@ class Registration:
         self.load = load
         self.on_leg_failures = on_leg_failures
         self.on_first_tokens = on_first_tokens  # decode: relayed first tokens, on this thread
+        # prefill: the transfer ids whose first tokens a report just carried onto the wire (called
+        # on gRPC's request thread once the send completed; connector/handoff_holds.py)
+        self.on_tokens_sent = on_tokens_sent
         self.leg_keys = leg_keys
         self._stop = threading.Event()
         self._wake = threading.Event()  # a report to send now: first tokens, or stop
         self._lock = threading.Lock()
         self._first_tokens: list[_Sampled] = []  # to send on the next report
+        # The registered stream's stub, for first tokens sent directly (None: not registered, or
+        # the scheduler does not know ReportFirstTokens).
+        self._direct: pb_grpc.SchedulerStub | None = None
+        self._direct_ok = cfg.first_token_direct
         self._thread = threading.Thread(target=self._run, name="kvpush-registration", daemon=True)
         self.registered = threading.Event()
 
@@ -87,16 +98,63 @@ class Registration:
         self._thread.join(5)
 
     def first_token(self, token: pb.FirstToken) -> None:
-        """Sends ``token`` (prefill: the first token of a hand-off transfer) on the load stream now,
-        not at the report cadence, and again on the next stream if this one ends before the
-        scheduler acked the report carrying it. Thread-safe; dropped (and logged) beyond a bound of
-        queued tokens, or ``first_token_wait_s`` after it was sampled."""
+        """Sends ``token`` (prefill: the first token of a hand-off transfer) to the scheduler now.
+
+        Directly (``ReportFirstTokens``, started on the caller's thread, the engine's: the
+        message leaves while that thread holds the core, instead of after the registration
+        thread's wake-up, which waits behind the step's output on a busy core). Should that call
+        not start or fail, on the load stream, and again on the next stream if this one ends
+        before the scheduler acked the report carrying it. Thread-safe; dropped (and logged)
+        beyond a bound of queued tokens, or ``first_token_wait_s`` after it was sampled."""
+        sampled_at = time.monotonic()
+        stub = self._direct if self._direct_ok else None
+        if stub is not None:
+            try:
+                call = stub.ReportFirstTokens.future(
+                    pb.FirstTokenReport(
+                        engine_id=self.info.engine_id, incarnation=self.info.incarnation, first_tokens=[token]
+                    ),
+                    timeout=DIRECT_TOKEN_TIMEOUT_S,
+                )
+            except Exception as exc:  # a channel closed under us: the stream takes the token
+                log.warning("first_token_direct_failed", transfer_id=token.transfer_id, reason=repr(exc))
+            else:
+                call.add_done_callback(functools.partial(self._direct_done, token, sampled_at))
+                self._sent([token.transfer_id])
+                return
+        self._queue(token, sampled_at)
+
+    def _direct_done(self, token: pb.FirstToken, sampled_at: float, call: grpc.Future) -> None:
+        """A direct send ended (gRPC's thread): failed, the token goes on the load stream."""
+        exc = call.exception()
+        if exc is None:
+            return
+        code = exc.code() if isinstance(exc, grpc.Call) else None
+        if code is grpc.StatusCode.UNIMPLEMENTED:
+            self._direct_ok = False  # a scheduler without the call: the load stream from now on
+        log.warning(
+            "first_token_direct_failed",
+            transfer_id=token.transfer_id,
+            code=code.name if code is not None else None,
+            reason=exc.details() if isinstance(exc, grpc.Call) else repr(exc),
+        )
+        self._queue(token, sampled_at)
+
+    def _queue(self, token: pb.FirstToken, sampled_at: float) -> None:
         with self._lock:
             if len(self._first_tokens) >= limits.MAX_EXPECTATIONS_PER_CALL:
                 log.warning("first_token_dropped", transfer_id=token.transfer_id, reason="too many queued")
                 return
-            self._first_tokens.append((token, time.monotonic()))
+            self._first_tokens.append((token, sampled_at))
         self._wake.set()
+
+    def _sent(self, transfer_ids: list[str]) -> None:
+        if self.on_tokens_sent is None:
+            return
+        try:
+            self.on_tokens_sent(transfer_ids)
+        except Exception:
+            log.exception("tokens_sent_not_handled", count=len(transfer_ids))
 
     def _take_first_tokens(self, stream: _Stream) -> list[pb.FirstToken] | None:
         """The tokens for ``stream``'s next report, remembered until the scheduler acks it; None
@@ -154,6 +212,8 @@ class Registration:
                 return  # the stream is over (grpc may still pull from it)
             report.first_tokens.extend(tokens)
             yield report
+            if tokens:  # gRPC asks for the next report only once this one's send completed
+                self._sent([t.transfer_id for t in tokens])
             self._wake.wait(interval_s)
             self._wake.clear()
         report = self.load()
@@ -170,6 +230,8 @@ class Registration:
                 resp = stub.Register(pb.RegisterRequest(instance=self.info), timeout=5)
                 interval = min(self.cfg.load_report_ms / 1e3, max(0.05, resp.lease_interval_ms / 1e3 / 2))
                 self._take_leg_key(resp.leg_mac_key)
+                if self._direct_ok:
+                    self._direct = stub
                 self.registered.set()
                 log.info("registered", scheduler=self.cfg.scheduler_address, engine_id=self.info.engine_id)
                 backoff = 0.2
@@ -197,6 +259,7 @@ class Registration:
                     detail=exc.details() if isinstance(exc, grpc.Call) else None,
                 )
             finally:
+                self._direct = None
                 self._end(stream)
                 channel.close()
             if self._stop.wait(backoff):
@@ -220,6 +283,7 @@ def register_engine(
     first_token_handoff: bool = False,
     vocab_size: int = 0,
     leg_keys: EngineKeyRing | None = None,
+    on_tokens_sent: Callable[[list[str]], None] | None = None,
 ) -> Registration | None:
     """Registers the engine with the kvpush scheduler and keeps its load stream, when configured."""
     if not cfg.scheduler_address:
@@ -240,7 +304,13 @@ def register_engine(
         vocab_size=vocab_size,
     )
     return Registration(
-        cfg, info, load, on_leg_failures=on_leg_failures, on_first_tokens=on_first_tokens, leg_keys=leg_keys
+        cfg,
+        info,
+        load,
+        on_leg_failures=on_leg_failures,
+        on_first_tokens=on_first_tokens,
+        leg_keys=leg_keys,
+        on_tokens_sent=on_tokens_sent,
     ).start()
 
 

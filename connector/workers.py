@@ -9,6 +9,7 @@ longer needs.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from typing import Any
@@ -17,6 +18,7 @@ from kvpush.connector import sampler_state
 from kvpush.connector.compute_fence import Fence, FenceFactory, FenceGate, NoFence, fence_factory
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.engine_wake import ENGINE_WAKE
+from kvpush.connector.handoff_holds import HANDOFF_HOLDS
 from kvpush.connector.kv_layout import KvDescription, describe
 from kvpush.connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake, UnreservedPrefill
 from kvpush.connector.roles import TransferResults
@@ -180,7 +182,8 @@ class PrefillWorker:
         self._active: set[str] = set()  # request ids handed to the agent
         self._fence: FenceFactory = NoFence
         self._gate = FenceGate("kvpush-fence-gate")
-        self._after_output: list[tuple[Fence, FinishedPrefill]] = []  # worker thread only
+        # Hand-off transfers held after their forward (connector/handoff_holds.py), worker thread only.
+        self._after_output: list[str] = []
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         incarnation = new_incarnation()
@@ -220,14 +223,15 @@ class PrefillWorker:
             self._released.add(rel.request_id)
 
     def step_started(self, meta: PushMetadata | None) -> None:
-        """The transfers held for their step's output (first-token hand-off) go to the writer now:
-        vLLM schedules this step after it processed the last one's output, so the first token is
-        on its way. Before this step's own hand-offs, so every transfer keeps its order."""
+        """The transfers still held for their step's output (first-token hand-off) go to the
+        writer now: vLLM schedules this step after it processed the last one's output, so the
+        first token is on its way. Most are gone already: released when their token's report left
+        this process (``HANDOFF_HOLDS.token_sent``). Either way before this step's own hand-offs,
+        so every transfer keeps its order."""
         if not self._after_output:
             return
         held, self._after_output = self._after_output, []
-        for fence, fp in held:
-            self._submit(fence, fp)
+        HANDOFF_HOLDS.release(held)
 
     def _submit(self, fence: Fence, fp: FinishedPrefill) -> None:
         agent = self.agent
@@ -248,8 +252,9 @@ class PrefillWorker:
         """Runs right after the step's forward was launched: the KV of ``finished_prefills`` is
         in memory once this step's fence passes. Never blocks: the gate waits on the fence and
         then hands the transfers to the writer (aborts take the same path, so they keep their
-        order relative to the transfers). A first-token hand-off's transfer is held until the next
-        step starts (``step_started``): its step's output is the client's first token."""
+        order relative to the transfers). A first-token hand-off's transfer is held until its first
+        token's report left this process or the next step starts, whichever is first
+        (connector/handoff_holds.py): its step's output is the client's first token."""
         if meta is None or self.agent is None or not (meta.finished_prefills or meta.aborted or meta.unreserved):
             return
         agent = self.agent
@@ -258,7 +263,8 @@ class PrefillWorker:
             with self._lock:
                 self._active.add(fp.request_id)
             if fp.after_output:
-                self._after_output.append((fence, fp))
+                HANDOFF_HOLDS.hold(fp.transfer_id, functools.partial(self._submit, fence, fp))
+                self._after_output.append(fp.transfer_id)
             else:
                 self._submit(fence, fp)
         for ab in meta.aborted:

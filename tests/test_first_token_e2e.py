@@ -95,6 +95,8 @@ def test_near_ties_greedy_equal_single_instance_and_continue_from_prefills_token
     assert _appended(cluster.decode) - before == len(chosen)
     # ... with its engine loop woken by releases (connector/engine_wake.py) on this vLLM.
     assert "engine_wake_on" in cluster.decode.log_path.read_text(errors="replace")
+    # Prefill sent every token in its own call from the engine thread, none fell back to the stream.
+    assert "first_token_direct_failed" not in cluster.prefill.log_path.read_text(errors="replace")
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.3])

@@ -343,6 +343,57 @@ def test_prefill_worker_holds_a_handoff_transfer_until_the_next_step_starts() ->
     assert w._active == {"r-held", "r-plain", "r-held2", "r-plain2"}  # freed only once released
 
 
+def test_prefill_worker_pushes_a_held_transfer_once_its_first_token_left_the_process() -> None:
+    """The registration sent the token (``HANDOFF_HOLDS.token_sent``, another thread): the held
+    push goes to the writer then, not again at the next step; tokens of transfers this worker does
+    not hold change nothing."""
+    import threading
+
+    from kvpush.connector.config import ConnectorConfig
+    from kvpush.connector.handoff_holds import HANDOFF_HOLDS
+    from kvpush.connector.messages import FinishedPrefill, PushMetadata
+    from kvpush.connector.workers import PrefillWorker
+
+    calls: list[tuple[str, str]] = []
+    w = PrefillWorker(ConnectorConfig(engine_id="p", role="prefill"), "m")
+    w.agent = SimpleNamespace(  # type: ignore[assignment]
+        prefill_done=lambda tid, *a, **kw: calls.append((tid, threading.current_thread().name)),
+        prefill_aborted=lambda tid, **kw: calls.append((f"aborted {tid}", "")),
+        stop=lambda: None,
+    )
+    held = [FinishedPrefill(t, f"r-{t}", ((1,),), 5, "d", after_output=True) for t in ("h1", "h2")]
+    w.wait_for_save(PushMetadata(finished_prefills=held))
+    assert calls == [] and HANDOFF_HOLDS.held() == 2
+    sender = threading.Thread(target=HANDOFF_HOLDS.token_sent, args=(["other", "h2"],), name="registration")
+    sender.start()
+    sender.join(10)
+    assert calls == [("h2", "registration")]  # pushed by the thread that sent its token
+    w.step_started(None)  # the next step: only what is still held
+    assert [c[0] for c in calls] == ["h2", "h1"]
+    HANDOFF_HOLDS.token_sent(["h1", "h2"])  # late: both gone already
+    w.step_started(None)
+    w.shutdown()
+    assert [c[0] for c in calls] == ["h2", "h1"] and HANDOFF_HOLDS.held() == 0
+
+
+def test_handoff_holds_run_each_push_once_and_outlive_a_failing_one() -> None:
+    from kvpush.connector.handoff_holds import HandoffHolds
+
+    holds, ran = HandoffHolds(), []
+
+    def boom() -> None:
+        raise RuntimeError("writer gone")
+
+    holds.hold("a", boom)
+    holds.hold("b", lambda: ran.append("b"))
+    holds.hold("c", lambda: ran.append("c"))
+    holds.token_sent(["a", "b", "zz"])  # a's push raises: b still runs, the caller does not see it
+    assert ran == ["b"] and holds.held() == 1
+    holds.release(["c", "b", "a"])
+    holds.release(["c"])
+    assert ran == ["b", "c"] and holds.held() == 0
+
+
 def test_fence_kind_follows_the_kv_memory() -> None:
     assert isinstance(fence_factory("DRAM", 0)(), NoFence)
     assert fence_factory("VRAM", 0) is not NoFence  # a CUDA event per step (not creatable here)

@@ -329,6 +329,14 @@ _instances = st.builds(
     agent_incarnations=st.lists(IDS, max_size=3),
 )
 _register = _instances.map(lambda i: ("Register", pb.RegisterRequest(instance=i)))
+_first_token = st.builds(
+    pb.FirstToken,
+    transfer_id=IDS,
+    decode_engine_id=st.sampled_from(["fixed-d", "fz-0"]) | IDS,
+    prefill_engine_id=IDS,
+    token_id=U32,
+    stopped=st.booleans(),
+)
 _reports = st.lists(
     st.builds(
         pb.LoadReport,
@@ -340,20 +348,16 @@ _reports = st.lists(
         waiting_requests=U32,
         write_bytes_in_flight=U64,
         draining=st.booleans(),
-        first_tokens=st.lists(
-            st.builds(
-                pb.FirstToken,
-                transfer_id=IDS,
-                decode_engine_id=st.sampled_from(["fixed-d", "fz-0"]) | IDS,
-                prefill_engine_id=IDS,
-                token_id=U32,
-                stopped=st.booleans(),
-            ),
-            max_size=3,
-        ),
+        first_tokens=st.lists(_first_token, max_size=3),
     ),
     max_size=3,
 ).map(lambda rs: ("ReportLoad", rs))
+_first_token_report = st.builds(
+    pb.FirstTokenReport,
+    engine_id=st.sampled_from(["fz-0", "fz-1"]) | IDS,
+    incarnation=st.sampled_from(["a", "b"]) | IDS,
+    first_tokens=st.lists(_first_token, max_size=3),
+).map(lambda r: ("ReportFirstTokens", r))
 _assign = st.builds(
     pb.AssignRequest, prompt_tokens=U32, prefix_hint=TEXT, transfer_id=st.just("") | IDS, max_tokens=U32
 ).map(lambda r: ("Assign", r))
@@ -423,7 +427,18 @@ def _scheduler_call(stub: pb_grpc.SchedulerStub, method: str, request: Any) -> g
 @FUZZ
 @given(
     calls=st.lists(
-        st.one_of(_register, _reports, _assign, _release, _assign_stream, _generate, _watch, _list, _leg_failure),
+        st.one_of(
+            _register,
+            _reports,
+            _first_token_report,
+            _assign,
+            _release,
+            _assign_stream,
+            _generate,
+            _watch,
+            _list,
+            _leg_failure,
+        ),
         min_size=1,
         max_size=5,
     )

@@ -119,7 +119,7 @@ def _spray(address: str) -> None:
 
 def test_policies_and_decisions() -> None:
     """Every method of every service has a rule; the rule table says who may call what."""
-    assert len(SCHEDULER_POLICY) == 10 and len(PREFILL_AGENT_POLICY) == 1 and len(DECODE_RANK_POLICY) == 3
+    assert len(SCHEDULER_POLICY) == 11 and len(PREFILL_AGENT_POLICY) == 1 and len(DECODE_RANK_POLICY) == 3
     register = SCHEDULER_POLICY["/kvpush.v1.Scheduler/Register"]
     assign = SCHEDULER_POLICY["/kvpush.v1.Scheduler/Assign"]
     assign_stream = SCHEDULER_POLICY["/kvpush.v1.Scheduler/AssignStream"]
@@ -133,6 +133,10 @@ def test_policies_and_decisions() -> None:
     # The batched frontend API is the frontend's alone, like Assign and Release.
     assert decide(assign_stream, fe, "") is None
     assert decide(assign_stream, d0, "")[0] is DENIED and decide(assign_stream, p0, "")[0] is DENIED  # type: ignore[index]
+    # First tokens come from prefill engines only (each in its own name: the handler checks that).
+    first_tokens = SCHEDULER_POLICY["/kvpush.v1.Scheduler/ReportFirstTokens"]
+    assert decide(first_tokens, p0, "") is None
+    assert decide(first_tokens, d0, "")[0] is DENIED and decide(first_tokens, fe, "")[0] is DENIED  # type: ignore[index]
     # Only a frontend reports an undelivered leg: an engine could otherwise fail others' transfers.
     assert decide(leg_failure, fe, "") is None
     assert decide(leg_failure, d0, "")[0] is DENIED and decide(leg_failure, p0, "")[0] is DENIED  # type: ignore[index]

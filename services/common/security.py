@@ -269,6 +269,7 @@ SCHEDULER_POLICY = _policy(
     {
         "Register": _rule(PREFILL, DECODE),
         "ReportLoad": _rule(PREFILL, DECODE),
+        "ReportFirstTokens": _rule(PREFILL),
         "ListInstances": _rule(FRONTEND),
         "Watch": _rule(FRONTEND),
         "Assign": _rule(FRONTEND),

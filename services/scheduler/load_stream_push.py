@@ -86,17 +86,17 @@ class FirstTokenRelay:
     def forget(self, transfer_id: str) -> None:
         self.waiters.pop(transfer_id, None)
 
-    def relay(self, report: pb.LoadReport) -> None:
-        """The report's first tokens. The prefill is named by the scheduler (the stream's
-        authenticated engine), never by the report; decode takes a token only from a prefill its
-        transfer was published to."""
+    def relay(self, report: pb.LoadReport | pb.FirstTokenReport) -> str | None:
+        """The report's first tokens; why none was taken, or None. The prefill is named by the
+        scheduler (the report's authenticated engine), never by the report; decode takes a token
+        only from a prefill its transfer was published to."""
         inst = self.registry.instances.get(report.engine_id)
         if inst is None or inst.spec.role is not Role.PREFILL:
             self.log.warning("first_tokens_refused", engine_id=report.engine_id, reason="not a prefill engine")
-            return
+            return "not a registered prefill engine"
         if len(report.first_tokens) > limits.MAX_EXPECTATIONS_PER_CALL:
             self.log.warning("first_tokens_refused", engine_id=report.engine_id, reason="too many in one report")
-            return
+            return f"at most {limits.MAX_EXPECTATIONS_PER_CALL} first tokens in one report"
         for ft in report.first_tokens:
             if max(len(ft.transfer_id), len(ft.decode_engine_id)) > limits.MAX_ID_CHARS or not ft.transfer_id:
                 self.log.warning("first_token_refused", engine_id=report.engine_id, reason="bad ids")
@@ -121,3 +121,4 @@ class FirstTokenRelay:
                     decode=ft.decode_engine_id,
                     prefill=report.engine_id,
                 )
+        return None

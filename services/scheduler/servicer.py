@@ -25,6 +25,7 @@ from kvpush.services.scheduler.model import (
     Event,
     EventKind,
     Outcome,
+    Role,
     State,
 )
 from kvpush.services.scheduler.servicer_core import ServicerConfig, ShuttingDown, Subscriber
@@ -161,6 +162,33 @@ class SchedulerServicer(GenerateRpcs, pb_grpc.SchedulerServicer):
                 self._outboxes.close(box_key, box)
             if ident is not None and not self.shutting_down:
                 self.registry.stream_closed(ident[0], ident[1], clean)
+
+    async def ReportFirstTokens(  # noqa: N802
+        self, request: pb.FirstTokenReport, context: grpc.aio.ServicerContext
+    ) -> pb.FirstTokenAck:
+        """First tokens straight from a prefill engine's thread (the load stream's first_tokens
+        without its wake-ups); relayed exactly as those are."""
+        not_peer = claim_problem(peer_identity(context), request.engine_id, "prefill")
+        if not_peer is not None:
+            self.log.warning(
+                "first_tokens_refused", engine_id=request.engine_id[: limits.MAX_ID_CHARS], reason=not_peer
+            )
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, not_peer)
+        if max(len(request.engine_id), len(request.incarnation)) > limits.MAX_ID_CHARS:
+            await self._refuse(
+                context, "ReportFirstTokens", grpc.StatusCode.INVALID_ARGUMENT, "engine id or incarnation too long"
+            )
+        inst = self.registry.instances.get(request.engine_id)
+        if inst is None or inst.spec.incarnation != request.incarnation:
+            await self._refuse(
+                context, "ReportFirstTokens", grpc.StatusCode.FAILED_PRECONDITION, "not a registered incarnation"
+            )
+        if inst.spec.role is not Role.PREFILL:
+            await self._refuse(context, "ReportFirstTokens", grpc.StatusCode.PERMISSION_DENIED, "not a prefill engine")
+        problem = self._first_tokens.relay(request)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        return pb.FirstTokenAck()
 
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext

@@ -1093,6 +1093,47 @@ class FirstToken(_message.Message):
 Global___FirstToken: _TypeAlias = FirstToken  # noqa: Y015
 
 @_typing.final
+class FirstTokenReport(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_ID_FIELD_NUMBER: _builtins.int
+    INCARNATION_FIELD_NUMBER: _builtins.int
+    FIRST_TOKENS_FIELD_NUMBER: _builtins.int
+    engine_id: _builtins.str
+    incarnation: _builtins.str
+    @_builtins.property
+    def first_tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___FirstToken]: ...
+    def __init__(
+        self,
+        *,
+        engine_id: _builtins.str = ...,
+        incarnation: _builtins.str = ...,
+        first_tokens: _abc.Iterable[Global___FirstToken] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["engine_id", b"engine_id", "first_tokens", b"first_tokens", "incarnation", b"incarnation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FirstTokenReport: _TypeAlias = FirstTokenReport  # noqa: Y015
+
+@_typing.final
+class FirstTokenAck(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FirstTokenAck: _TypeAlias = FirstTokenAck  # noqa: Y015
+
+@_typing.final
 class LoadAck(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

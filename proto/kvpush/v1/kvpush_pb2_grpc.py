@@ -310,6 +310,11 @@ class SchedulerStub:
                 request_serializer=kvpush_dot_v1_dot_kvpush__pb2.LoadReport.SerializeToString,
                 response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.LoadAck.FromString,
                 _registered_method=True)
+        self.ReportFirstTokens = channel.unary_unary(
+                '/kvpush.v1.Scheduler/ReportFirstTokens',
+                request_serializer=kvpush_dot_v1_dot_kvpush__pb2.FirstTokenReport.SerializeToString,
+                response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.FirstTokenAck.FromString,
+                _registered_method=True)
         self.Assign = channel.unary_unary(
                 '/kvpush.v1.Scheduler/Assign',
                 request_serializer=kvpush_dot_v1_dot_kvpush__pb2.AssignRequest.SerializeToString,
@@ -368,6 +373,15 @@ class SchedulerServicer:
     def ReportLoad(self, request_iterator, context):
         """Load stream: one per registered instance. Each report renews the lease; a lease missed for
         a few intervals marks the instance dead.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportFirstTokens(self, request, context):
+        """Prefill: the first tokens of hand-off transfers, sent by the engine's own thread the moment
+        they are sampled (relayed like a load report's first_tokens; the load stream carries a token
+        only when this call fails). Only a registered prefill engine, in its own name.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -450,6 +464,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ReportLoad,
                     request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.LoadReport.FromString,
                     response_serializer=kvpush_dot_v1_dot_kvpush__pb2.LoadAck.SerializeToString,
+            ),
+            'ReportFirstTokens': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFirstTokens,
+                    request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.FirstTokenReport.FromString,
+                    response_serializer=kvpush_dot_v1_dot_kvpush__pb2.FirstTokenAck.SerializeToString,
             ),
             'Assign': grpc.unary_unary_rpc_method_handler(
                     servicer.Assign,
@@ -550,6 +569,33 @@ class Scheduler:
             '/kvpush.v1.Scheduler/ReportLoad',
             kvpush_dot_v1_dot_kvpush__pb2.LoadReport.SerializeToString,
             kvpush_dot_v1_dot_kvpush__pb2.LoadAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFirstTokens(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpush.v1.Scheduler/ReportFirstTokens',
+            kvpush_dot_v1_dot_kvpush__pb2.FirstTokenReport.SerializeToString,
+            kvpush_dot_v1_dot_kvpush__pb2.FirstTokenAck.FromString,
             options,
             channel_credentials,
             insecure,

@@ -176,6 +176,11 @@ class SchedulerStub:
     """Load stream: one per registered instance. Each report renews the lease; a lease missed for
     a few intervals marks the instance dead.
     """
+    ReportFirstTokens: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.FirstTokenReport, _kvpush_pb2.FirstTokenAck]
+    """Prefill: the first tokens of hand-off transfers, sent by the engine's own thread the moment
+    they are sampled (relayed like a load report's first_tokens; the load stream carries a token
+    only when this call fails). Only a registered prefill engine, in its own name.
+    """
     Assign: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.AssignRequest, _kvpush_pb2.Assignment]
     Release: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.ReleaseRequest, _kvpush_pb2.ReleaseResponse]
     AssignStream: _grpc.StreamStreamMultiCallable[_kvpush_pb2.AssignStreamRequest, _kvpush_pb2.AssignStreamResponse]
@@ -217,6 +222,11 @@ class SchedulerAsyncStub(SchedulerStub):
     ReportLoad: _aio.StreamStreamMultiCallable[_kvpush_pb2.LoadReport, _kvpush_pb2.LoadAck]  # type: ignore[assignment]
     """Load stream: one per registered instance. Each report renews the lease; a lease missed for
     a few intervals marks the instance dead.
+    """
+    ReportFirstTokens: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.FirstTokenReport, _kvpush_pb2.FirstTokenAck]  # type: ignore[assignment]
+    """Prefill: the first tokens of hand-off transfers, sent by the engine's own thread the moment
+    they are sampled (relayed like a load report's first_tokens; the load stream carries a token
+    only when this call fails). Only a registered prefill engine, in its own name.
     """
     Assign: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.AssignRequest, _kvpush_pb2.Assignment]  # type: ignore[assignment]
     Release: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.ReleaseRequest, _kvpush_pb2.ReleaseResponse]  # type: ignore[assignment]
@@ -268,6 +278,17 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_kvpush_pb2.LoadAck], _abc.AsyncIterator[_kvpush_pb2.LoadAck]]:
         """Load stream: one per registered instance. Each report renews the lease; a lease missed for
         a few intervals marks the instance dead.
+        """
+
+    @_abc_1.abstractmethod
+    def ReportFirstTokens(
+        self,
+        request: _kvpush_pb2.FirstTokenReport,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvpush_pb2.FirstTokenAck, _abc.Awaitable[_kvpush_pb2.FirstTokenAck]]:
+        """Prefill: the first tokens of hand-off transfers, sent by the engine's own thread the moment
+        they are sampled (relayed like a load report's first_tokens; the load stream carries a token
+        only when this call fails). Only a registered prefill engine, in its own name.
         """
 
     @_abc_1.abstractmethod
