@@ -23,13 +23,11 @@ import argparse
 import asyncio
 import contextlib
 import gc
-import hashlib
 import json
 import os
 import platform
 import resource
 import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,6 +42,7 @@ from google.protobuf.json_format import MessageToDict
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.calibration import cpu_calibration_ms
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
@@ -404,24 +403,6 @@ async def _with_cpu(phase: Any, pid: int) -> dict[str, Any]:
     res["server_cpu_us_per_pair"] = (_proc_cpu_s(pid) - s0) / n * 1e6
     res["client_cpu_us_per_pair"] = (_self_cpu_s() - c0) / n * 1e6
     return res
-
-
-def cpu_calibration_ms(repeats: int = 7) -> float:
-    """Median time of a fixed piece of Python work (integer loop, SHA-256) on this process's CPUs:
-    the same code measures 1.5-2x apart at different hours of a shared VM, so each report says
-    how fast the machine was while it ran."""
-
-    def once() -> float:
-        t = time.perf_counter()
-        x = 0
-        for i in range(200_000):
-            x += i * i % 7
-        h = hashlib.sha256()
-        for _ in range(2000):
-            h.update(b"x" * 1024)
-        return (time.perf_counter() - t) * 1e3
-
-    return statistics.median(once() for _ in range(repeats))
 
 
 def _cpus(spec: str) -> set[int]:

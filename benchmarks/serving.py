@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.calibration import cpu_calibration_ms
 from benchmarks.serving_model import KINDS, ROOT, ModelInfo, Point, PointResult, Sample, percentile, summarize
 from benchmarks.serving_proxies import (
     Client,
@@ -538,10 +539,11 @@ async def measure_interleaved(
         load1, foreign = os.getloadavg()[0], foreign_vllm_processes()
         if logs:
             await asyncio.sleep(0.3)  # let the log lines of the last transfers land
+        cal = core_calibration_ms(h)
         for j, (name, _) in enumerate(proxies):
             mine = [s for i, s in enumerate(samples) if which[i] == j]
             r = summarize(name, pt, mine, share=1.0 / k)
-            r.load1, r.foreign_vllm = load1, foreign
+            r.load1, r.foreign_vllm, r.cpu_cal_ms = load1, foreign, cal
             if logs:
                 r.phases = phase_stats(logs[0], logs[1], *offs, mine)
             res[name].append(r)
@@ -550,10 +552,25 @@ async def measure_interleaved(
                 + (f" (interleaved with {k - 1} more)" if k > 1 else "")
                 + f": ok={r.ok} TTFT p50={r.ttft_p50_ms:.1f} p99={r.ttft_p99_ms:.1f} ms TPOT p50={r.tpot_p50_ms:.2f} ms "
                 f"{r.throughput_rps:.2f} req/s ({time.monotonic() - t0:.0f} s, load {load1:.1f}, "
-                f"foreign vLLM procs {foreign}){' ' + r.errors[0] if r.errors else ''}"
+                f"foreign vLLM procs {foreign}, CPU calibration P/D {cal[0]:.1f}/{cal[1]:.1f} ms)"
+                f"{' ' + r.errors[0] if r.errors else ''}"
             )
         await asyncio.sleep(a.settle_s)
     return res
+
+
+def core_calibration_ms(h: Harness) -> list[float]:
+    """``cpu_calibration_ms`` on P's core, then on D's (this process pinned there meanwhile, its
+    affinity restored after): the same launch can be slow while the VM is not, or the VM slow."""
+    before = os.sched_getaffinity(0)
+    out = []
+    try:
+        for core in (h.p_core, h.d_core):
+            os.sched_setaffinity(0, {core})
+            out.append(round(cpu_calibration_ms(5), 2))
+    finally:
+        os.sched_setaffinity(0, before)
+    return out
 
 
 async def warm_up(proxy: Proxy, h: Harness) -> None:

@@ -94,6 +94,9 @@ class PointResult:
     phases: dict[str, Any] = field(default_factory=dict)
     load1: float = math.nan  # 1-minute load average at the end of the point
     foreign_vllm: int = 0  # vLLM processes on this machine that are not ours (shared machine)
+    # Fixed Python work timed on P's and D's core right after the point (ms, lower is faster): how
+    # fast the VM was then, to tell a slow hour from a slow launch.
+    cpu_cal_ms: list[float] = field(default_factory=list)
     max_tokens: int = 16
     # Per request, in arrival order (NaN: failed; TPOT NaN also for one-token outputs): goodput input.
     req_ttft_ms: list[float] = field(default_factory=list)

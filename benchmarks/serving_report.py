@@ -149,8 +149,8 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         "| prompt | out | rate /s | n | setup | ok | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | TPOT p99 ms | "
         "1st → 2nd token p50 ms | TPOT from 2nd p50 ms | req/s | SLO met | goodput req/s | hand-off p50 ms | "
-        "load1 / foreign vLLMs |",
-        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "load1 / foreign vLLMs | CPU cal. P / D ms |",
+        "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     dmap = {(d["prompt_len"], d["max_tokens"], d["rate"]): d for d in res["derived"]}
     keys = sorted(
@@ -180,7 +180,8 @@ def markdown(res: dict[str, Any]) -> str:
                 f"{_f(r['ttft_p50_ms'])} | {_f(r['ttft_p99_ms'])} | {_f(r['tpot_p50_ms'], 2)} | "
                 f"{_f(r['tpot_p99_ms'], 2)} | {_f(r.get('gap2_p50_ms'), 2)} | {_f(r.get('tpot_rest_p50_ms'), 2)} | "
                 f"{_f(r['throughput_rps'], 2)}{sus} | {met} | "
-                f"{_f(r.get('goodput_rps'), 2)} | {_f(handoff)} | {_f(r.get('load1'))} / {r.get('foreign_vllm', 0)} |"
+                f"{_f(r.get('goodput_rps'), 2)} | {_f(handoff)} | {_f(r.get('load1'))} / {r.get('foreign_vllm', 0)} | "
+                f"{' / '.join(_f(c) for c in r.get('cpu_cal_ms') or []) or '–'} |"
             )
     lines += [
         "",

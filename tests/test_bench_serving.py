@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -378,8 +379,12 @@ def _res(results: dict[str, list[PointResult]], slo: Slo | None) -> dict[str, An
 def test_markdown_shows_two_plain_and_goodput(tmp_path: Path) -> None:
     results = _sweep()
     sv_slo.apply_slo(results, {1024: SLO})
+    results["two_plain"][1].cpu_cal_ms = [11.5, 17.25]
     md = sv_report.markdown(_res(results, SLO))
     assert "| 1024 | 16 | 2 | 10 | two_plain | 10 |" in md
+    assert next(line for line in md.splitlines() if "| 1024 | 16 | 2 | 10 | two_plain |" in line).endswith(
+        "| 11.5 / 17.2 |"
+    )
     assert md.count("| prefill_only |") == 1  # the max_tokens=1 reference, once per prompt length and rate
     assert "| 1024 | 1 | 1 | 10 | prefill_only | 10 |" in md
     assert "### Goodput" in md and "TTFT ≤ 500 ms, TPOT ≤ 20.0 ms" in md
@@ -467,6 +472,8 @@ class _FakeHarness:
             layers=2, kv_heads=4, head_dim=32, dtype_bytes=2, vocab=1000, max_positions=4096
         )
         self.notes: list[str] = []
+        self.cores_before = sorted(os.sched_getaffinity(0))
+        self.p_core, self.d_core = self.cores_before[0], self.cores_before[-1]
 
     def note(self, msg: str) -> None:
         self.notes.append(msg)
@@ -495,6 +502,9 @@ def test_measure_interleaved_sends_each_setup_its_own_requests_in_one_stream(tmp
         [r] = res[name]
         assert r.requests == 4 and r.ok == 4 and r.share == pytest.approx(1 / 3) and r.rate == 500.0
         assert len(seen[name]) == 4
+        # The VM's speed on P's and D's core right after the point, the same for every setup of it.
+        assert len(r.cpu_cal_ms) == 2 and all(ms > 0 for ms in r.cpu_cal_ms) and r.cpu_cal_ms == res["a"][0].cpu_cal_ms
+    assert os.sched_getaffinity(0) == set(h.cores_before)  # the calibration gave the process its CPUs back
     # One arrival stream: the setups' requests alternate in time, and every prompt was sent once.
     firsts = sorted((t, n) for n, calls in seen.items() for _, t in calls)
     assert {n for _, n in firsts[:3]} == {"a", "b", "c"}
