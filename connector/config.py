@@ -86,10 +86,11 @@ class ConnectorConfig:
     # output, the client's first token, is then out) instead of at the forward's end, where it
     # competes with that output for the core (docs/first_token.md).
     push_after_output: bool = True
-    # Prefill, with push_after_output: start a held push as soon as the load report carrying its
-    # first token has left this process, if that comes before the next step (the registration and
-    # the worker share a process: vLLM's uni executor; connector/handoff_holds.py).
-    push_on_token_sent: bool = True
+    # Prefill, with push_after_output: start a held push as soon as its first token has left this
+    # process, if that comes before the next step (the registration and the worker share a process:
+    # vLLM's uni executor; connector/handoff_holds.py). Off: no gain measured on the gap before the
+    # second token that outweighed the TTFT it cost (docs/bench_serving.md, run Y).
+    push_on_token_sent: bool = False
     # Prefill: send each first token in its own ReportFirstTokens call from the engine thread that
     # sampled it; false: on the load stream only (the registration thread's wake-up waits behind
     # the step's output on a busy core; docs/first_token.md).
