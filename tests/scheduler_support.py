@@ -160,5 +160,14 @@ async def wait_for(pred: Callable[[], bool], timeout: float = WAIT_S) -> None:
         await asyncio.sleep(0.005)
 
 
+async def status_code(call: Any) -> grpc.StatusCode:
+    """The status an awaited unary call ended with (OK when it returned)."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
 async def next_event(stream: Any, timeout: float = WAIT_S) -> pb.InstanceEvent:
     return await asyncio.wait_for(stream.read(), timeout)

@@ -1,34 +1,21 @@
-"""``ReportFirstTokens``: a prefill engine's first tokens straight from the thread that sampled them,
-over real gRPC. Delivered without a load report, relayed like one, refused to anyone but the
-registered prefill engine itself; a scheduler without the call still gets every token on the load
-stream."""
+"""``ReportFirstTokens`` over real gRPC: a prefill engine's first tokens straight from the thread
+that sampled them, relayed like a load report's, and refused (nothing relayed) to anyone but the
+registered prefill engine itself. The registration's side of it is in tests/test_registration.py."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
-import pytest
 from scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
+from scheduler_support import status_code as _code
 
-from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.registration import Registration
 from kvpush.services.common import limits
 from kvpush.services.common.security import Security, TlsFiles
-from kvpush.services.scheduler.servicer import SchedulerServicer
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-
-
-def _config(address: str, engine_id: str) -> ConnectorConfig:
-    extra = {"scheduler_address": address, "load_report_ms": 50, "insecure": True}
-    return ConnectorConfig.from_vllm(
-        SimpleNamespace(kv_role="kv_producer", engine_id=engine_id, kv_connector_extra_config=extra)
-    )
 
 
 def sec(certs: Path, name: str) -> Security:
@@ -37,86 +24,6 @@ def sec(certs: Path, name: str) -> Security:
 
 def _token(tid: str = "t1", token_id: int = 42, decode: str = "d0") -> pb.FirstToken:
     return pb.FirstToken(transfer_id=tid, decode_engine_id=decode, token_id=token_id)
-
-
-async def _code(call: Any) -> grpc.StatusCode:
-    try:
-        await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
-
-
-class _Loads:
-    """A load callback the test can hold: while held, no load report leaves the engine."""
-
-    def __init__(self) -> None:
-        self.open = threading.Event()
-        self.open.set()
-
-    def __call__(self) -> pb.LoadReport:
-        self.open.wait()
-        return pb.LoadReport(free_blocks=10)
-
-
-def test_a_first_token_reaches_decode_while_no_load_report_can_leave() -> None:
-    """The prefill's load stream is stuck (its report waits in ``load``): the token still reaches
-    decode, so it went in its own call; the push held for it is released by then."""
-
-    async def body() -> None:
-        async with scheduler(interval_s=1.0) as (server, stub, _):
-            decode = await FakeInstance(stub, info("d0")).start()
-            loads, sent = _Loads(), []
-            reg = Registration(
-                _config(server.address, "p0"), info("p0", pb.ROLE_PREFILL), loads, on_tokens_sent=sent.extend
-            ).start()
-            try:
-                assert await asyncio.to_thread(reg.registered.wait, WAIT_S)
-                await wait_for(lambda: "p0" in server.registry.instances)
-                loads.open.clear()
-                reg.first_token(_token())
-                await asyncio.wait_for(decode.got_first_token.wait(), WAIT_S)
-                assert [(t.transfer_id, t.token_id, t.prefill_engine_id) for t in decode.first_tokens] == [
-                    ("t1", 42, "p0")
-                ]
-                assert sent == ["t1"]
-                assert not reg._first_tokens  # nothing queued for the load stream
-            finally:
-                loads.open.set()
-                await asyncio.to_thread(reg.stop)
-                await decode.close()
-
-    run(body())
-
-
-def test_a_scheduler_without_the_call_gets_the_token_on_the_load_stream(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An older scheduler answers UNIMPLEMENTED: the token goes out on the next load report, and
-    later tokens take that path at once."""
-
-    async def unimplemented(self: Any, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
-
-    monkeypatch.setattr(SchedulerServicer, "ReportFirstTokens", unimplemented)
-
-    async def body() -> None:
-        async with scheduler(interval_s=0.1) as (server, stub, _):
-            decode = await FakeInstance(stub, info("d0")).start()
-            reg = Registration(
-                _config(server.address, "p0"), info("p0", pb.ROLE_PREFILL), lambda: pb.LoadReport(free_blocks=10)
-            ).start()
-            try:
-                assert await asyncio.to_thread(reg.registered.wait, WAIT_S)
-                reg.first_token(_token("t1", 1))
-                await wait_for(lambda: len(decode.first_tokens) == 1)
-                assert not reg._direct_ok
-                reg.first_token(_token("t2", 2))
-                await wait_for(lambda: len(decode.first_tokens) == 2)
-                assert [(t.transfer_id, t.token_id) for t in decode.first_tokens] == [("t1", 1), ("t2", 2)]
-            finally:
-                await asyncio.to_thread(reg.stop)
-                await decode.close()
-
-    run(body())
 
 
 def test_hostile_first_token_reports_are_refused_and_relay_nothing() -> None:

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
+from scheduler_support import status_code as _code
 
 from kvpush.services.common import limits
 from kvpush.services.decode_agent.rank import DecodeRank, DecodeRankConfig
@@ -258,14 +259,6 @@ class _HangingClient(OpenAIClient):
     async def decode(self, endpoint: str, p: Any, params: Any, max_tokens: int | None = None) -> AsyncIterator[Chunk]:
         await asyncio.Event().wait()
         yield Chunk([], "")
-
-
-async def _code(call: Any) -> grpc.StatusCode:
-    try:
-        await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
 
 
 async def _stream_code(call: Any) -> grpc.StatusCode:

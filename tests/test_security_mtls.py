@@ -43,6 +43,7 @@ from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from scripts.make_certs import make_certs
 from tests.scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
+from tests.scheduler_support import status_code as _code
 from tests.transfer_nodes import Cluster, shape, start_cluster
 
 DENIED = grpc.StatusCode.PERMISSION_DENIED
@@ -246,14 +247,6 @@ def test_scheduler_port_refuses_unauthenticated_peers_and_survives_garbage(dev_c
             assert (await stub.ListInstances(pb.ListInstancesRequest(), timeout=WAIT_S)).instances == []
 
     run(body())
-
-
-async def _code(call: Any) -> grpc.StatusCode:
-    try:
-        await call
-    except grpc.aio.AioRpcError as exc:
-        return exc.code()
-    return grpc.StatusCode.OK
 
 
 def test_engines_register_and_report_only_as_themselves(dev_certs: Path) -> None:
