@@ -3,11 +3,13 @@ stream whose reports renew the lease. Runs on its own daemon thread; reconnects 
 
 First tokens (prefill, first-token hand-off) go to the scheduler at once in their own call
 (``ReportFirstTokens``), from the thread that sampled them. A token that call cannot deliver rides
-on the reports instead, and is delivered at least once: a report's tokens count as delivered only when the scheduler acks that report (it relays them before
-it acks). Tokens of reports the stream lost unacked (the scheduler restarted, or declared this
-engine dead while it was starved of CPU and refused its report) go out again on the next stream,
-until ``first_token_wait_s`` after they were sampled, when decode has given up on them anyway.
-A token relayed twice is harmless: decode and Generate take the first one for a transfer."""
+on the reports instead, and is delivered at least once: a report's tokens count as delivered only
+when the scheduler acks that report (it relays them before it acks). Tokens of reports the stream
+lost unacked (the scheduler restarted, or declared this engine dead while it was starved of CPU
+and refused its report) go out again on the next stream, until ``first_token_wait_s`` after they
+were sampled, when decode has given up on them anyway. A token relayed twice (a direct call whose
+answer was lost, then the stream) is harmless: decode and Generate take the first one for a
+transfer."""
 
 from __future__ import annotations
 
@@ -73,8 +75,9 @@ class Registration:
         self.load = load
         self.on_leg_failures = on_leg_failures
         self.on_first_tokens = on_first_tokens  # decode: relayed first tokens, on this thread
-        # prefill: the transfer ids whose first tokens a report just carried onto the wire (called
-        # on gRPC's request thread once the send completed; connector/handoff_holds.py)
+        # prefill: the transfer ids whose first tokens just left (on the engine thread once their
+        # ReportFirstTokens call started, or on gRPC's request thread once a report carrying them
+        # was sent; connector/handoff_holds.py)
         self.on_tokens_sent = on_tokens_sent
         self.leg_keys = leg_keys
         self._stop = threading.Event()
