@@ -89,7 +89,7 @@ class ConnectorConfig:
     # Prefill, with push_after_output: start a held push as soon as its first token has left this
     # process, if that comes before the next step (the registration and the worker share a process:
     # vLLM's uni executor; connector/handoff_holds.py). Off: no gain measured on the gap before the
-    # second token that outweighed the TTFT it cost (docs/bench_serving.md, run Y).
+    # second token that outweighed the TTFT it cost (docs/bench_serving.md, runs X-Z).
     push_on_token_sent: bool = False
     # Prefill: send each first token in its own ReportFirstTokens call from the engine thread that
     # sampled it; false: on the load stream only (the registration thread's wake-up waits behind

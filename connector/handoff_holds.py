@@ -4,15 +4,17 @@ A first-token hand-off transfer's push must not compete with the token for the p
 client's first token is the token prefill sampled. The worker therefore holds the push after the
 forward. It is released by whichever comes first:
 
-- the registration thread handed the load report carrying the transfer's first token to gRPC
-  (``token_sent``): the token is on the wire to the scheduler, which relays it to the client and
-  to decode. This only happens where the registration (vLLM's scheduler process) and the worker
-  share a process: vLLM's ``uni`` executor, the project's default;
 - the engine's next step starts (``release``, called by the worker): vLLM schedules it after it
-  processed the step's output. Under the ``mp`` executor this is the only release.
+  processed the step's output;
+- with ``push_on_token_sent`` (off by default), the token left this process (``token_sent``): its
+  ``ReportFirstTokens`` call started on the engine thread, or a load report carrying it was sent.
+  Only where the registration (vLLM's scheduler process) and the worker share a process: vLLM's
+  ``uni`` executor.
 
-Measured on the 2-core VM: the next step started 2.3 ms after the request finished, the token's
-report left about 0.3 ms after it (docs/bench_phases.md, "The held push").
+Measured on the 2-core VM: the next step started 2.35 ms after the request finished, the token's
+call 0.4-1.9 ms after it; releasing on the token started the WRITE 0.6-1 ms sooner but cost the
+hand-off paths' TTFT up to 2.8 ms side by side without a consistent gain on the gap before the
+second token (docs/bench_phases.md "The first token's own call", docs/bench_serving.md runs X-Z).
 """
 
 from __future__ import annotations

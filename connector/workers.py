@@ -225,9 +225,9 @@ class PrefillWorker:
     def step_started(self, meta: PushMetadata | None) -> None:
         """The transfers still held for their step's output (first-token hand-off) go to the
         writer now: vLLM schedules this step after it processed the last one's output, so the
-        first token is on its way. Most are gone already: released when their token's report left
-        this process (``HANDOFF_HOLDS.token_sent``). Either way before this step's own hand-offs,
-        so every transfer keeps its order."""
+        first token is on its way. With ``push_on_token_sent`` some may be gone already, released
+        when their token left this process (``HANDOFF_HOLDS.token_sent``). Either way before this
+        step's own hand-offs, so every transfer keeps its order."""
         if not self._after_output:
             return
         held, self._after_output = self._after_output, []
@@ -252,9 +252,9 @@ class PrefillWorker:
         """Runs right after the step's forward was launched: the KV of ``finished_prefills`` is
         in memory once this step's fence passes. Never blocks: the gate waits on the fence and
         then hands the transfers to the writer (aborts take the same path, so they keep their
-        order relative to the transfers). A first-token hand-off's transfer is held until its first
-        token's report left this process or the next step starts, whichever is first
-        (connector/handoff_holds.py): its step's output is the client's first token."""
+        order relative to the transfers). A first-token hand-off's transfer is held until the next
+        step starts (or, with ``push_on_token_sent``, its first token left this process, if that is
+        sooner; connector/handoff_holds.py): its step's output is the client's first token."""
         if meta is None or self.agent is None or not (meta.finished_prefills or meta.aborted or meta.unreserved):
             return
         agent = self.agent
