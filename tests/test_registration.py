@@ -5,7 +5,9 @@ stream across its loss."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+from collections.abc import AsyncIterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,65 +28,6 @@ def _config(address: str, engine_id: str) -> ConnectorConfig:
     )
 
 
-def test_a_first_token_in_a_report_the_scheduler_refused_goes_out_again_on_the_next_stream() -> None:
-    """Prefill is starved of CPU past its lease (as in the soak, next to a restarting engine): the
-    scheduler declares it dead, and refuses the report that carries the token it sampled meanwhile.
-    The token must still reach decode once prefill registers again; lost, decode's request would
-    fail after first_token_wait_s although its KV had landed."""
-
-    async def body() -> None:
-        async with scheduler(interval_s=0.1) as (server, stub, _):
-            decode = await FakeInstance(stub, info("d0")).start()
-            running = threading.Event()
-            running.set()
-
-            def load() -> pb.LoadReport:
-                running.wait()
-                return pb.LoadReport(free_blocks=10)
-
-            reg = Registration(_config(server.address, "p0"), info("p0", pb.ROLE_PREFILL), load).start()
-            try:
-                assert await asyncio.to_thread(reg.registered.wait, WAIT_S)
-                await wait_for(lambda: "p0" in server.registry.instances)
-                running.clear()  # starved: the next report waits in load()
-                await wait_for(lambda: "p0" not in server.registry.instances)  # its lease ran out
-                reg.first_token(pb.FirstToken(transfer_id="t1", decode_engine_id="d0", token_id=42))
-                running.set()  # that report, with the token, reaches a scheduler that dropped p0
-                await wait_for(lambda: bool(decode.first_tokens))
-                assert [(t.transfer_id, t.token_id, t.prefill_engine_id) for t in decode.first_tokens] == [
-                    ("t1", 42, "p0")
-                ]
-                assert "p0" in server.registry.instances  # registered again
-            finally:
-                running.set()
-                await asyncio.to_thread(reg.stop)
-                await decode.close()
-
-    run(body())
-
-
-def test_acked_first_tokens_are_sent_once() -> None:
-    async def body() -> None:
-        async with scheduler(interval_s=0.1) as (server, stub, _):
-            decode = await FakeInstance(stub, info("d0")).start()
-            reg = Registration(
-                _config(server.address, "p0"), info("p0", pb.ROLE_PREFILL), lambda: pb.LoadReport(free_blocks=10)
-            ).start()
-            try:
-                assert await asyncio.to_thread(reg.registered.wait, WAIT_S)
-                for i in range(3):
-                    reg.first_token(pb.FirstToken(transfer_id=f"t{i}", decode_engine_id="d0", token_id=i))
-                await wait_for(lambda: len(decode.first_tokens) == 3)
-                seen = decode.acks
-                await wait_for(lambda: decode.acks >= seen + 10)  # many reports later
-                assert sorted(t.transfer_id for t in decode.first_tokens) == ["t0", "t1", "t2"]
-            finally:
-                await asyncio.to_thread(reg.stop)
-                await decode.close()
-
-    run(body())
-
-
 class _Loads:
     """A load callback the test can hold: while held, no load report leaves the engine."""
 
@@ -97,32 +40,90 @@ class _Loads:
         return pb.LoadReport(free_blocks=10)
 
 
+@contextlib.asynccontextmanager
+async def _prefill_and_decode(
+    server: Any, stub: Any, **kw: Any
+) -> AsyncIterator[tuple[Registration, FakeInstance, _Loads]]:
+    """Decode ``d0`` on its load stream (acked once, so the scheduler relays to it) and prefill
+    ``p0``'s registration, registered; on the way out a held load is let go (the registration
+    thread may wait in it), then both stop."""
+    decode = await FakeInstance(stub, info("d0")).start()
+    await wait_for(lambda: decode.acks > 0)  # its first report is in: tokens can be relayed to it
+    loads = _Loads()
+    reg = Registration(_config(server.address, "p0"), info("p0", pb.ROLE_PREFILL), loads, **kw).start()
+    try:
+        assert await asyncio.to_thread(reg.registered.wait, WAIT_S)
+        yield reg, decode, loads
+    finally:
+        loads.open.set()
+        await asyncio.to_thread(reg.stop)
+        await decode.close()
+
+
+def test_a_first_token_in_a_report_the_scheduler_refused_goes_out_again_on_the_next_stream() -> None:
+    """Prefill is starved of CPU past its lease (as in the soak, next to a restarting engine): the
+    scheduler declares it dead, and refuses the report that carries the token it sampled meanwhile.
+    The token must still reach decode once prefill registers again; lost, decode's request would
+    fail after first_token_wait_s although its KV had landed."""
+
+    async def body() -> None:
+        async with (
+            scheduler(interval_s=0.1) as (server, stub, _),
+            _prefill_and_decode(server, stub) as (
+                reg,
+                decode,
+                loads,
+            ),
+        ):
+            await wait_for(lambda: "p0" in server.registry.instances)
+            loads.open.clear()  # starved: the next report waits in load()
+            await wait_for(lambda: "p0" not in server.registry.instances)  # its lease ran out
+            reg.first_token(pb.FirstToken(transfer_id="t1", decode_engine_id="d0", token_id=42))
+            loads.open.set()  # that report, with the token, reaches a scheduler that dropped p0
+            await wait_for(lambda: bool(decode.first_tokens))
+            assert [(t.transfer_id, t.token_id, t.prefill_engine_id) for t in decode.first_tokens] == [("t1", 42, "p0")]
+            assert "p0" in server.registry.instances  # registered again
+
+    run(body())
+
+
+def test_acked_first_tokens_are_sent_once() -> None:
+    async def body() -> None:
+        async with (
+            scheduler(interval_s=0.1) as (server, stub, _),
+            _prefill_and_decode(server, stub) as (
+                reg,
+                decode,
+                _,
+            ),
+        ):
+            for i in range(3):
+                reg.first_token(pb.FirstToken(transfer_id=f"t{i}", decode_engine_id="d0", token_id=i))
+            await wait_for(lambda: len(decode.first_tokens) == 3)
+            seen = decode.acks
+            await wait_for(lambda: decode.acks >= seen + 10)  # many reports later
+            assert sorted(t.transfer_id for t in decode.first_tokens) == ["t0", "t1", "t2"]
+
+    run(body())
+
+
 def test_a_first_token_reaches_decode_while_no_load_report_can_leave() -> None:
     """The prefill's load stream is stuck (its report waits in ``load``): the token still reaches
     decode, so it went in its own call; the push held for it is released by then."""
 
     async def body() -> None:
-        async with scheduler(interval_s=1.0) as (server, stub, _):
-            decode = await FakeInstance(stub, info("d0")).start()
-            loads, sent = _Loads(), []
-            reg = Registration(
-                _config(server.address, "p0"), info("p0", pb.ROLE_PREFILL), loads, on_tokens_sent=sent.extend
-            ).start()
-            try:
-                assert await asyncio.to_thread(reg.registered.wait, WAIT_S)
-                await wait_for(lambda: "p0" in server.registry.instances)
-                loads.open.clear()
-                reg.first_token(pb.FirstToken(transfer_id="t1", decode_engine_id="d0", token_id=42))
-                await asyncio.wait_for(decode.got_first_token.wait(), WAIT_S)
-                assert [(t.transfer_id, t.token_id, t.prefill_engine_id) for t in decode.first_tokens] == [
-                    ("t1", 42, "p0")
-                ]
-                assert sent == ["t1"]
-                assert not reg._first_tokens  # nothing queued for the load stream
-            finally:
-                loads.open.set()
-                await asyncio.to_thread(reg.stop)
-                await decode.close()
+        sent: list[str] = []
+        async with (
+            scheduler(interval_s=1.0) as (server, stub, _),
+            _prefill_and_decode(server, stub, on_tokens_sent=sent.extend) as (reg, decode, loads),
+        ):
+            await wait_for(lambda: "p0" in server.registry.instances)
+            loads.open.clear()
+            reg.first_token(pb.FirstToken(transfer_id="t1", decode_engine_id="d0", token_id=42))
+            await asyncio.wait_for(decode.got_first_token.wait(), WAIT_S)
+            assert [(t.transfer_id, t.token_id, t.prefill_engine_id) for t in decode.first_tokens] == [("t1", 42, "p0")]
+            assert sent == ["t1"]
+            assert not reg._first_tokens  # nothing queued for the load stream
 
     run(body())
 
@@ -137,21 +138,19 @@ def test_a_scheduler_without_the_call_gets_the_token_on_the_load_stream(monkeypa
     monkeypatch.setattr(SchedulerServicer, "ReportFirstTokens", unimplemented)
 
     async def body() -> None:
-        async with scheduler(interval_s=0.1) as (server, stub, _):
-            decode = await FakeInstance(stub, info("d0")).start()
-            reg = Registration(
-                _config(server.address, "p0"), info("p0", pb.ROLE_PREFILL), lambda: pb.LoadReport(free_blocks=10)
-            ).start()
-            try:
-                assert await asyncio.to_thread(reg.registered.wait, WAIT_S)
-                reg.first_token(pb.FirstToken(transfer_id="t1", decode_engine_id="d0", token_id=1))
-                await wait_for(lambda: len(decode.first_tokens) == 1)
-                assert not reg._direct_ok
-                reg.first_token(pb.FirstToken(transfer_id="t2", decode_engine_id="d0", token_id=2))
-                await wait_for(lambda: len(decode.first_tokens) == 2)
-                assert [(t.transfer_id, t.token_id) for t in decode.first_tokens] == [("t1", 1), ("t2", 2)]
-            finally:
-                await asyncio.to_thread(reg.stop)
-                await decode.close()
+        async with (
+            scheduler(interval_s=0.1) as (server, stub, _),
+            _prefill_and_decode(server, stub) as (
+                reg,
+                decode,
+                _,
+            ),
+        ):
+            reg.first_token(pb.FirstToken(transfer_id="t1", decode_engine_id="d0", token_id=1))
+            await wait_for(lambda: len(decode.first_tokens) == 1)
+            assert not reg._direct_ok
+            reg.first_token(pb.FirstToken(transfer_id="t2", decode_engine_id="d0", token_id=2))
+            await wait_for(lambda: len(decode.first_tokens) == 2)
+            assert [(t.transfer_id, t.token_id) for t in decode.first_tokens] == [("t1", 1), ("t2", 2)]
 
     run(body())
