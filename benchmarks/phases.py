@@ -16,7 +16,10 @@ connector's step trace on (``trace_steps``). For each prompt, one after another 
    pinned to core C and on the decode engine, in alternating order, each after ``--quiet-s`` of
    nothing (vLLM's CPU worker busy-waits for a second after each step, which would slow whichever
    engine runs next on a shared core): the decode engine against one plain instance, in one run.
-   Use D's core (1) to compare engines on the same core; the pause also follows this step.
+   ``Generate`` joins that rotation, so its TTFT and TPOT (per request, the hand-off gap included)
+   are paired with one plain vLLM's on the same prompt, seconds apart: issue #10's light-load
+   ratios free of launch-to-launch variance. Use D's core (1) to compare engines on the same core
+   (the P/D TPOT is decoded there too); the pause also follows this step.
 
 The same prompt on the same engine, minutes apart at most: the differences are what the P/D path
 adds, free of the launch-to-launch variance that separates two launches of one plain instance
@@ -33,6 +36,7 @@ import argparse
 import asyncio
 import bisect
 import contextlib
+import functools
 import json
 import os
 import platform
@@ -40,7 +44,7 @@ import re
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,6 +99,14 @@ class Trace:
         self.released = {tid: serving._ts(r) for tid, r in by_tid(d_log, "transfer_released").items()}
         self.d_scheduled = by_rid(d_log, "request_scheduled")
         self.d_forwards = sorted(serving._ts(r) for r in serving.parse_events(d_log, 0, "forward_done"))
+        self.d_scheduled_at = sorted(serving._ts(r) for r in serving.parse_events(d_log, 0, "request_scheduled"))
+        self.appended_at = sorted(serving._ts(r) for r in serving.parse_events(d_log, 0, "first_token_appended"))
+        # (WRITE start, transfer id) of every push, for the ``Generate`` transfers whose ids the
+        # scheduler chose: requests run one at a time, so the first push started after a request
+        # finished is its own.
+        self.write_starts = sorted(
+            (serving._ts(row) - float(row.get("write_ms", "nan")) / 1e3, tid) for tid, row in self.writes.items()
+        )
 
     def forward_end(self, scheduled: float, forwards: list[float] | None = None) -> float:
         """The first forward (prefill's, or of ``forwards``) that ended after ``scheduled``
@@ -102,6 +114,29 @@ class Trace:
         forwards = self.forwards if forwards is None else forwards
         i = bisect.bisect_right(forwards, scheduled)
         return forwards[i] if i < len(forwards) else float("nan")
+
+    def handoff_gap(self, sent: float, second_token: float) -> dict[str, float]:
+        """A ``Generate`` request's path from prefill's end to its second token at the client."""
+        nan = float("nan")
+        s = self.first_after(self.scheduled_at, sent)
+        f = self.first_after(self.finished_at, s)
+        i = bisect.bisect_left(self.write_starts, (f, ""))
+        if i == len(self.write_starts):
+            return {}
+        w_start, tid = self.write_starts[i]
+        w_end = serving._ts(self.writes[tid])
+        released = self.released.get(tid, nan)
+        d_sched = self.first_after(self.d_scheduled_at, released)
+        d_fwd = self.forward_end(d_sched, self.d_forwards)
+        return {
+            "finished_to_token_appended": self.first_after(self.appended_at, s) - f,
+            "finished_to_write": w_start - f,
+            "write": w_end - w_start,
+            "write_to_release": released - w_end,
+            "release_to_scheduled": d_sched - released,
+            "decode_forward": d_fwd - d_sched,
+            "forward_to_second_token": second_token - d_fwd,
+        }
 
     def first_after(self, times: list[float], t: float) -> float:
         i = bisect.bisect_right(times, t)
@@ -133,12 +168,29 @@ async def _stream(c: serving_proxies.Client, url: str, prompt: list[int], n: int
     return out
 
 
+def _tree_cpu_s(pid: int | None) -> float:
+    """CPU time (s) of every thread of ``pid`` and its descendants so far (Linux ``schedstat``):
+    an engine's API server, engine core, and the threads the connector runs in them."""
+    if pid is None:
+        return float("nan")
+    total_ns, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                total_ns += int((task / "schedstat").read_text().split()[0])
+                todo.extend(int(c) for c in (task / "children").read_text().split())
+            except (OSError, ValueError, IndexError):
+                continue  # a thread or process that ended meanwhile
+    return total_ns / 1e9
+
+
 def _tpot(ts: Sequence[float]) -> float:
     return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else float("nan")
 
 
 async def measure(
-    pair: Any, args: argparse.Namespace, prompts: list[list[int]], plain_url: str | None = None
+    pair: Any, args: argparse.Namespace, prompts: list[list[int]], plain: Any = None
 ) -> list[dict[str, Any]]:
     from google.protobuf.json_format import MessageToDict
 
@@ -189,6 +241,23 @@ async def measure(
                 await serving_proxies.release_assignment(stub, a, pb.OUTCOME_OK)
                 return a.transfer_id, d_tokens
 
+            async def generate(prompt: list[int]) -> tuple[float, list[float]]:
+                """``Generate`` (the hand-off): when it was called, and each token's arrival."""
+                g0 = time.time()
+                g_tokens: list[float] = []
+                req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
+                async for msg in stub.Generate(req, timeout=120):
+                    g_tokens.extend([time.time()] * len(msg.token_ids))
+                return g0, g_tokens
+
+            async def sent_and_streamed(
+                url: str, prompt: list[int], cpu_of: int | None, row: dict[str, Any], key: str
+            ) -> tuple[float, list[float]]:
+                cpu0, t0 = _tree_cpu_s(cpu_of), time.time()
+                out = await _stream(c, url, prompt, n, None, uuid.uuid4().hex)
+                row[f"{key}_cpu_s"] = _tree_cpu_s(cpu_of) - cpu0
+                return t0, out
+
             for i, prompt in enumerate(prompts):
                 row: dict[str, Any] = {"warmup": i < args.warmup}
                 row["plain_a"] = await plain_prefill(prompt)
@@ -204,21 +273,32 @@ async def measure(
                 row.update(
                     tid=a.transfer_id, sent=t0, assigned=t1, p_rid=p_rid, d_rid=d_rid, p_answer=t2, d_tokens=d_tokens
                 )
-                g0 = time.time()
-                g_tokens: list[float] = []
-                req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
-                async for msg in stub.Generate(req, timeout=120):
-                    g_tokens.extend([time.time()] * len(msg.token_ids))
+                g0, g_tokens = await generate(prompt)
                 row.update(g_sent=g0, g_tokens=g_tokens)
                 row["plain_d"] = await _stream(c, d_url, prompt, n, None, uuid.uuid4().hex)
                 row["plain_d_pending"] = await plain_decode_next_to_a_waiting_transfer(prompt)
                 row["busy_tid"], row["busy_d_tokens"] = await handoff_into_a_running_decode(prompt)
                 row["plain_b"] = await plain_prefill(prompt)
-                if plain_url is not None:
-                    order = [("plain_instance", plain_url), ("plain_d_quiet", d_url)]
-                    for key, url in order[:: 1 if i % 2 == 0 else -1]:
+                if plain is not None:
+                    # The three in a rotating order, so none is always first after the pause. The two
+                    # plain requests also count the CPU their engine's processes used meanwhile.
+                    order: list[tuple[str, Callable[[], Awaitable[tuple[float, list[float]]]]]] = [
+                        (
+                            "plain_instance",
+                            functools.partial(
+                                sent_and_streamed, plain.base_url, prompt, plain.pid, row, "plain_instance"
+                            ),
+                        ),
+                        (
+                            "plain_d_quiet",
+                            functools.partial(sent_and_streamed, d_url, prompt, pair.decode.pid, row, "plain_d_quiet"),
+                        ),
+                        ("generate_quiet", functools.partial(generate, prompt)),
+                    ]
+                    k = i % len(order)
+                    for key, call in order[k:] + order[:k]:
                         await asyncio.sleep(args.quiet_s)  # let the last engine's worker stop spinning
-                        row[key] = await _stream(c, url, prompt, n, None, uuid.uuid4().hex)
+                        row[f"{key}_sent"], row[key] = await call()
                     await asyncio.sleep(args.quiet_s)  # nor the next prompt's requests
                 rows.append(row)
     finally:
@@ -259,6 +339,8 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
         put("pd.decode_forward", d_fwd - d_sched)
         put("pd.forward_to_first_token", r["d_tokens"][0] - d_fwd)
         put("generate.first_to_second_token", r["g_tokens"][1] - r["g_tokens"][0])
+        for k, v in trace.handoff_gap(r["g_sent"], r["g_tokens"][1]).items():
+            put(f"generate_gap.{k}", v)
         put("plain.first_to_second_token_decode", r["plain_d"][1] - r["plain_d"][0])
         put("pd.ttft_decode", r["d_tokens"][0] - r["sent"])
         put("generate.ttft", r["g_tokens"][0] - r["g_sent"])
@@ -274,8 +356,18 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
             put("busy.write_to_release", b_rel - (serving._ts(bw) if bw else float("nan")))
             put("busy.release_to_first_token", r["busy_d_tokens"][0] - b_rel)
         if "plain_instance" in r:
-            put("plain.tpot_instance_quiet", _tpot(r["plain_instance"]))
+            inst, gen = r["plain_instance"], r["generate_quiet"]
+            put("plain.tpot_instance_quiet", _tpot(inst))
             put("plain.tpot_decode_quiet", _tpot(r["plain_d_quiet"]))
+            put("plain.cpu_instance_quiet", r["plain_instance_cpu_s"])
+            put("plain.cpu_decode_quiet", r["plain_d_quiet_cpu_s"])
+            put("plain.ttft_instance_quiet", inst[0] - r["plain_instance_sent"])
+            put("plain.tpot2_instance_quiet", _tpot(inst[1:]))
+            put("plain.gap_instance_quiet", inst[1] - inst[0])
+            put("generate.tpot_quiet", _tpot(gen))
+            put("generate.ttft_quiet", gen[0] - r["generate_quiet_sent"])
+            put("generate.tpot2_quiet", _tpot(gen[1:]))
+            put("generate.gap_quiet", gen[1] - gen[0])
     p50 = {k: float(np.nanmedian(v)) for k, v in series.items()}
 
     def paired(a: str, b: str) -> float:
@@ -297,7 +389,23 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
         diffs["tpot_ratio_decode_engine_to_plain_instance"] = ratio(
             "plain.tpot_decode_quiet", "plain.tpot_instance_quiet"
         )
+        diffs["cpu_ratio_decode_engine_to_plain_instance"] = ratio("plain.cpu_decode_quiet", "plain.cpu_instance_quiet")
+        diffs["tpot_ratio_generate_to_plain_instance"] = ratio("generate.tpot_quiet", "plain.tpot_instance_quiet")
+        diffs["tpot2_ratio_generate_to_plain_instance"] = ratio("generate.tpot2_quiet", "plain.tpot2_instance_quiet")
+        diffs["gap_generate_minus_plain_instance"] = paired("generate.gap_quiet", "plain.gap_instance_quiet")
+        diffs["ttft_generate_minus_plain_instance"] = paired("generate.ttft_quiet", "plain.ttft_instance_quiet")
     return {"n": len(series.get("pd.answer", [])), "p50_ms": p50, "paired": diffs, "series_ms": series}
+
+
+_GAP_PHASES = {
+    "finished_to_token_appended": "of the gap: prefill's request finished → its token appended on decode",
+    "finished_to_write": "of the gap: request finished → the held push's WRITE starts",
+    "write": "of the gap: → WRITE done",
+    "write_to_release": "of the gap: → decode releases",
+    "release_to_scheduled": "of the gap: → decode schedules it",
+    "decode_forward": "of the gap: → decode's forward done",
+    "forward_to_second_token": "of the gap: → second token at the client",
+}
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -349,6 +457,10 @@ def markdown(res: dict[str, Any]) -> str:
         f"| of it: → first token at the client | {p['pd.forward_to_first_token']:.2f} |",
         f"| `Generate`: first → second token (plain decode's: "
         f"{p['plain.first_to_second_token_decode']:.2f}) | {p['generate.first_to_second_token']:.2f} |",
+        *[
+            f"| `Generate`: {label} | {p.get(f'generate_gap.{k}', float('nan')):.2f} |"
+            for k, label in _GAP_PHASES.items()
+        ],
         f"| decode running a plain request meanwhile: WRITE done → decode releases | "
         f"{p.get('busy.write_to_release', float('nan')):.2f} |",
         f"| decode running a plain request meanwhile: release → decode's first token | "
@@ -372,6 +484,23 @@ def markdown(res: dict[str, Any]) -> str:
             f"{p['plain.tpot_instance_quiet']:.2f} | 1 |",
             f"| the kvpush decode engine, plain request | {p['plain.tpot_decode_quiet']:.2f} | "
             f"{d['tpot_ratio_decode_engine_to_plain_instance']:.3f} |",
+            f"| CPU time of the engine's processes per request (all threads): plain vLLM | "
+            f"{p['plain.cpu_instance_quiet']:.1f} | 1 |",
+            f"| the same, the kvpush decode engine (its agents' threads included) | "
+            f"{p['plain.cpu_decode_quiet']:.1f} | {d['cpu_ratio_decode_engine_to_plain_instance']:.3f} |",
+            "",
+            "| `Generate` (P/D, hand-off) against the same plain vLLM, same rotation | plain vLLM p50 ms | "
+            "`Generate` p50 ms | paired |",
+            "|---|---:|---:|---:|",
+            f"| TTFT (prefill on core {res['config']['plain_instance_core']} against P's core) | "
+            f"{p['plain.ttft_instance_quiet']:.1f} | {p['generate.ttft_quiet']:.1f} | "
+            f"{d['ttft_generate_minus_plain_instance']:+.1f} ms |",
+            f"| TPOT per request (the hand-off gap included) | {p['plain.tpot_instance_quiet']:.2f} | "
+            f"{p['generate.tpot_quiet']:.2f} | {d['tpot_ratio_generate_to_plain_instance']:.3f}× |",
+            f"| TPOT from the second token | {p['plain.tpot2_instance_quiet']:.2f} | "
+            f"{p['generate.tpot2_quiet']:.2f} | {d['tpot2_ratio_generate_to_plain_instance']:.3f}× |",
+            f"| first → second token | {p['plain.gap_instance_quiet']:.2f} | {p['generate.gap_quiet']:.2f} | "
+            f"{d['gap_generate_minus_plain_instance']:+.2f} ms |",
         ]
     return "\n".join(lines) + "\n"
 
@@ -420,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     t_start = time.monotonic()
     with h.pair("ours") as pair, _plain_instance(h, args.plain_instance_core) as plain:
-        rows = asyncio.run(measure(pair, args, prompts, plain.base_url if plain is not None else None))
+        rows = asyncio.run(measure(pair, args, prompts, plain))
         trace = Trace(pair.prefill.log_path, pair.decode.log_path)
     res = analyse(rows, trace)
     res.update(

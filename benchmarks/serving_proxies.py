@@ -22,7 +22,11 @@ class Client:
         import aiohttp
 
         self.timeout = aiohttp.ClientTimeout(total=request_timeout_s, connect=10)
-        self.session = aiohttp.ClientSession(timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0))
+        # Idle connections are closed here before the servers' own keep-alive (uvicorn: 5 s) can
+        # close them under a request that reuses one (aiohttp: ServerDisconnectedError).
+        self.session = aiohttp.ClientSession(
+            timeout=self.timeout, connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+        )
         self.models: dict[str, str] = {}
 
     async def close(self) -> None:

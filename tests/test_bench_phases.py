@@ -3,6 +3,9 @@ line is which phase, and the paired differences against the plain baseline."""
 
 from __future__ import annotations
 
+import math
+import os
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -42,6 +45,8 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
                 _line("request_scheduled", 2010, request_id="cmpl-scheduler-chosen-0"),
                 _line("forward_done", 2090),
                 _line("request_finished", 2093, request_id="cmpl-scheduler-chosen-0"),
+                # its held push: WRITE from 2097 to 2098
+                _line("write_finished", 2098, transfer_id="t3", write_ms="1.0"),
                 # plain b: sent 3000, scheduled 3008, forward 3088, finished 3091, answered 3099
                 _line("request_scheduled", 3008, request_id=f"cmpl-{rid['plain_b']}-0"),
                 _line("forward_done", 3088),
@@ -52,7 +57,18 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
         )
     )
     d_log.write_text(
-        _line("transfer_released", 1100, transfer_id="t1") + _line("transfer_released", 5004, transfer_id="t2")
+        "".join(
+            [
+                _line("transfer_released", 1100, transfer_id="t1"),
+                # Generate: prefill's token appended at 2095, KV released at 2100, scheduled at 2101,
+                # forward done at 2104; its second token reaches the client at 2109
+                _line("first_token_appended", 2095, transfer_id="t3"),
+                _line("transfer_released", 2100, transfer_id="t3"),
+                _line("request_scheduled", 2101, request_id="cmpl-scheduler-chosen-decode-0"),
+                _line("forward_done", 2104),
+                _line("transfer_released", 5004, transfer_id="t2"),
+            ]
+        )
     )
     row = {
         "warmup": False,
@@ -68,9 +84,14 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
         "plain_d": [_t(2500), _t(2510), _t(2520)],
         "plain_d_pending": [_t(2600), _t(2611), _t(2622)],
         "plain_instance": [_t(4000), _t(4008), _t(4016)],
+        "plain_instance_sent": _t(3990),
+        "plain_instance_cpu_s": 0.050,
+        "generate_quiet": [_t(4200), _t(4220), _t(4232)],
+        "generate_quiet_sent": _t(4190),
         "busy_tid": "t2",
         "busy_d_tokens": [_t(5012), _t(5020), _t(5028)],
         "plain_d_quiet": [_t(4100), _t(4109), _t(4118)],
+        "plain_d_quiet_cpu_s": 0.055,
         "plain_b": (rid["plain_b"], _t(3000), _t(3099)),
     }
     res = phases.analyse([row, {**row, "warmup": True}], phases.Trace(p_log, d_log))
@@ -99,6 +120,27 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
     assert d["tpot_ratio_generate_to_plain_decode"] == pytest.approx(1.2, abs=0.01)
     assert d["tpot_ratio_transfer_waiting_to_plain_decode"] == pytest.approx(1.1, abs=0.01)
     assert d["tpot_ratio_decode_engine_to_plain_instance"] == pytest.approx(9 / 8, abs=0.001)
+    # Generate's gap before its second token, from prefill's request end (2093)
+    gap = {k: p[f"generate_gap.{k}"] for k in phases._GAP_PHASES}
+    assert gap == pytest.approx(
+        {
+            "finished_to_token_appended": 2.0,
+            "finished_to_write": 4.0,
+            "write": 1.0,
+            "write_to_release": 2.0,
+            "release_to_scheduled": 1.0,
+            "decode_forward": 3.0,
+            "forward_to_second_token": 5.0,
+        },
+        abs=0.01,
+    )
+    # Generate against the plain vLLM in the same rotation, and the engines' CPU per request
+    assert d["ttft_generate_minus_plain_instance"] == pytest.approx(0.0, abs=0.01)
+    assert d["tpot_ratio_generate_to_plain_instance"] == pytest.approx(2.0, abs=0.001)
+    assert d["tpot2_ratio_generate_to_plain_instance"] == pytest.approx(1.5, abs=0.001)
+    assert d["gap_generate_minus_plain_instance"] == pytest.approx(12.0, abs=0.01)
+    assert p["plain.cpu_decode_quiet"] == pytest.approx(55.0, abs=0.01)
+    assert d["cpu_ratio_decode_engine_to_plain_instance"] == pytest.approx(1.1, abs=0.001)
     assert p["busy.write_to_release"] == pytest.approx(3.0, abs=0.01)
     assert p["busy.release_to_first_token"] == pytest.approx(8.0, abs=0.01)
     assert (
@@ -119,3 +161,15 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
     assert "| → request finished (sampled, output built) | 3.0 | 7.0 | +4.0 | 3.0 | +0.0 |" in md
     assert "| plain request while a P/D transfer waits on the decode engine | 11.00 | 1.100 |" in md
     assert "| the kvpush decode engine, plain request | 9.00 | 1.125 |" in md
+    assert "| TPOT per request (the hand-off gap included) | 8.00 | 16.00 | 2.000× |" in md
+    assert "| `Generate`: of the gap: request finished → the held push's WRITE starts | 4.00 |" in md
+
+
+def test_tree_cpu_counts_this_process_threads() -> None:
+    before = phases._tree_cpu_s(os.getpid())
+    deadline = time.thread_time() + 0.05
+    while time.thread_time() < deadline:  # 50 ms of CPU on this thread
+        pass
+    used = phases._tree_cpu_s(os.getpid()) - before
+    assert 0.04 <= used < 5.0
+    assert math.isnan(phases._tree_cpu_s(None))

@@ -148,8 +148,10 @@ def test_generate_streams_tokens_and_releases_ok() -> None:
             (dec,) = d.requests
             assert pre["max_tokens"] == 1 and pre["stream"] is False and pre["model"] == "fake-model-prefill"
             assert dec["max_tokens"] == 4 and dec["stream"] is True and dec["model"] == "fake-model-decode"
+            # Decode streams token ids; prefill's answer is read for its status only.
+            assert dec["return_token_ids"] is True and pre["return_token_ids"] is False
             for b in (pre, dec):
-                assert b["prompt"] == [1, 2, 3] and b["return_token_ids"] is True and b["ignore_eos"] is True
+                assert b["prompt"] == [1, 2, 3] and b["ignore_eos"] is True
                 assert b["seed"] == 7 and b["temperature"] == 0.0
             dleg = transfer_params.parse(dec["kv_transfer_params"])
             pleg = transfer_params.parse(pre["kv_transfer_params"])

@@ -123,7 +123,10 @@ class OpenAIClient:
             "max_tokens": (max_tokens or p.max_tokens) if stream else 1,
             "temperature": p.temperature,
             "ignore_eos": p.ignore_eos,
-            "return_token_ids": True,
+            # Token ids for the streamed (decode) leg only: the prefill leg's answer is read for
+            # its status, and vLLM would echo the whole prompt's ids in it (serialized on the
+            # prefill core, right when the first-token hand-off's push needs that core).
+            "return_token_ids": stream,
             "stream": stream,
             "kv_transfer_params": params,
         }
