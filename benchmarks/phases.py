@@ -169,19 +169,23 @@ async def _stream(c: serving_proxies.Client, url: str, prompt: list[int], n: int
 
 
 def _tree_cpu_s(pid: int | None) -> float:
-    """CPU time (s) of every thread of ``pid`` and its descendants so far (Linux ``schedstat``):
-    an engine's API server, engine core, and the threads the connector runs in them."""
+    """CPU time (s) of every thread of ``pid`` and its descendants so far (Linux ``schedstat``, in
+    ns: per-request amounts are tens of ms, below ``cpu_times``' clock ticks): an engine's API
+    server, engine core, and the threads the connector runs in them."""
     if pid is None:
         return float("nan")
-    total_ns, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return float("nan")
+    total_ns = 0
+    for proc in procs:
+        for task in Path(f"/proc/{proc.pid}/task").glob("*"):
+            with contextlib.suppress(OSError, ValueError, IndexError):  # ended meanwhile
                 total_ns += int((task / "schedstat").read_text().split()[0])
-                todo.extend(int(c) for c in (task / "children").read_text().split())
-            except (OSError, ValueError, IndexError):
-                continue  # a thread or process that ended meanwhile
     return total_ns / 1e9
 
 
@@ -250,13 +254,15 @@ async def measure(
                     g_tokens.extend([time.time()] * len(msg.token_ids))
                 return g0, g_tokens
 
-            async def sent_and_streamed(
-                url: str, prompt: list[int], cpu_of: int | None, row: dict[str, Any], key: str
-            ) -> tuple[float, list[float]]:
-                cpu0, t0 = _tree_cpu_s(cpu_of), time.time()
+            async def generate_timed(prompt: list[int]) -> tuple[float, list[float], float]:
+                return (*await generate(prompt), float("nan"))
+
+            async def streamed(url: str, prompt: list[int], pid: int | None) -> tuple[float, list[float], float]:
+                """A plain streamed request: when it was sent, each token's arrival, and the CPU
+                time the engine ``pid``'s processes used meanwhile."""
+                cpu0, t0 = _tree_cpu_s(pid), time.time()
                 out = await _stream(c, url, prompt, n, None, uuid.uuid4().hex)
-                row[f"{key}_cpu_s"] = _tree_cpu_s(cpu_of) - cpu0
-                return t0, out
+                return t0, out, _tree_cpu_s(pid) - cpu0
 
             for i, prompt in enumerate(prompts):
                 row: dict[str, Any] = {"warmup": i < args.warmup}
@@ -282,23 +288,15 @@ async def measure(
                 if plain is not None:
                     # The three in a rotating order, so none is always first after the pause. The two
                     # plain requests also count the CPU their engine's processes used meanwhile.
-                    order: list[tuple[str, Callable[[], Awaitable[tuple[float, list[float]]]]]] = [
-                        (
-                            "plain_instance",
-                            functools.partial(
-                                sent_and_streamed, plain.base_url, prompt, plain.pid, row, "plain_instance"
-                            ),
-                        ),
-                        (
-                            "plain_d_quiet",
-                            functools.partial(sent_and_streamed, d_url, prompt, pair.decode.pid, row, "plain_d_quiet"),
-                        ),
-                        ("generate_quiet", functools.partial(generate, prompt)),
+                    order: list[tuple[str, Callable[[], Awaitable[tuple[float, list[float], float]]]]] = [
+                        ("plain_instance", functools.partial(streamed, plain.base_url, prompt, plain.pid)),
+                        ("plain_d_quiet", functools.partial(streamed, d_url, prompt, pair.decode.pid)),
+                        ("generate_quiet", functools.partial(generate_timed, prompt)),
                     ]
                     k = i % len(order)
                     for key, call in order[k:] + order[:k]:
                         await asyncio.sleep(args.quiet_s)  # let the last engine's worker stop spinning
-                        row[f"{key}_sent"], row[key] = await call()
+                        row[f"{key}_sent"], row[key], row[f"{key}_cpu_s"] = await call()
                     await asyncio.sleep(args.quiet_s)  # nor the next prompt's requests
                 rows.append(row)
     finally:
@@ -356,18 +354,15 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
             put("busy.write_to_release", b_rel - (serving._ts(bw) if bw else float("nan")))
             put("busy.release_to_first_token", r["busy_d_tokens"][0] - b_rel)
         if "plain_instance" in r:
-            inst, gen = r["plain_instance"], r["generate_quiet"]
-            put("plain.tpot_instance_quiet", _tpot(inst))
             put("plain.tpot_decode_quiet", _tpot(r["plain_d_quiet"]))
             put("plain.cpu_instance_quiet", r["plain_instance_cpu_s"])
             put("plain.cpu_decode_quiet", r["plain_d_quiet_cpu_s"])
-            put("plain.ttft_instance_quiet", inst[0] - r["plain_instance_sent"])
-            put("plain.tpot2_instance_quiet", _tpot(inst[1:]))
-            put("plain.gap_instance_quiet", inst[1] - inst[0])
-            put("generate.tpot_quiet", _tpot(gen))
-            put("generate.ttft_quiet", gen[0] - r["generate_quiet_sent"])
-            put("generate.tpot2_quiet", _tpot(gen[1:]))
-            put("generate.gap_quiet", gen[1] - gen[0])
+            for key, name in (("plain_instance", "plain.{}_instance_quiet"), ("generate_quiet", "generate.{}_quiet")):
+                ts = r[key]
+                put(name.format("tpot"), _tpot(ts))
+                put(name.format("tpot2"), _tpot(ts[1:]))
+                put(name.format("ttft"), ts[0] - r[f"{key}_sent"])
+                put(name.format("gap"), ts[1] - ts[0])
     p50 = {k: float(np.nanmedian(v)) for k, v in series.items()}
 
     def paired(a: str, b: str) -> float:
