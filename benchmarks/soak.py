@@ -94,25 +94,32 @@ def _tree_rss_mib(pid: int | None) -> float:
     return total / 2**20
 
 
-def _loads(c: PDCluster) -> dict[str, pb.LoadReport]:
+def _statuses(c: PDCluster) -> dict[str, pb.InstanceStatus]:
     try:
         listing = c.stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances
     except grpc.RpcError:
         return {}
-    return {s.instance.engine_id: s.load for s in listing if s.alive}
+    return {s.instance.engine_id: s for s in listing if s.alive}
+
+
+def _loads(c: PDCluster) -> dict[str, pb.LoadReport]:
+    return {n: s.load for n, s in _statuses(c).items()}
 
 
 def _idle_free_blocks(c: PDCluster, names: list[str], timeout_s: float = 120.0) -> dict[str, int]:
-    """Free blocks of each instance from load reports that show no request holding blocks."""
+    """Free blocks of each instance once idle: waits for reports that show no request and every
+    block free but vLLM's null block (a request leaves the connector's books before vLLM frees its
+    blocks, so the first idle report may still count them held); at the bound, what idle reports
+    showed (-1: never idle)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        loads = _loads(c)
+        statuses = _statuses(c)
         idle = {
-            n: loads[n].free_blocks
+            n: statuses[n].load.free_blocks
             for n in names
-            if n in loads and not (loads[n].running_requests or loads[n].waiting_requests)
+            if n in statuses and not (statuses[n].load.running_requests or statuses[n].load.waiting_requests)
         }
-        if len(idle) == len(names):
+        if len(idle) == len(names) and all(idle[n] == statuses[n].instance.total_kv_blocks - 1 for n in names):
             return idle
         if time.monotonic() > deadline:
             return {n: -1 for n in names} | idle

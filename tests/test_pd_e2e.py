@@ -104,18 +104,34 @@ def _wait_free_blocks(c: PDCluster, want: int, timeout_s: float = 30.0) -> int:
     return got
 
 
+def _instance_status(c: PDCluster, role: int, engine_id: str | None = None) -> pb.InstanceStatus | None:
+    for s in c.stub.ListInstances(pb.ListInstancesRequest(), timeout=5).instances:
+        if s.alive and s.instance.role == role and engine_id in (None, s.instance.engine_id):
+            return s
+    return None
+
+
+def idle_all_free(c: PDCluster, role: int, engine_id: str | None = None, timeout_s: float = 30.0) -> int:
+    """An instance's free blocks once idle, asserted to be all of them: polls its load reports
+    (every 500 ms) until one shows no request and every KV block free but the null block vLLM's
+    block pool keeps out of its free queue. The first report without requests is not enough: a
+    request leaves the connector's books (``request_finished``) before vLLM frees its blocks, and
+    a report taken between the two counts them held."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = _instance_status(c, role, engine_id)
+        idle = s is not None and not (s.load.running_requests or s.load.waiting_requests)
+        if s is not None and idle and s.load.free_blocks == s.instance.total_kv_blocks - 1:
+            return s.load.free_blocks
+        assert time.monotonic() < deadline, f"never idle with every block free: {s}"
+        time.sleep(0.1)  # load reports come every 500 ms; polled under a deadline
+
+
 @pytest.fixture(scope="module")
 def free_baseline(cluster: PDCluster) -> int:
-    """Decode's free blocks once idle: after a warm-up request, the first load report that shows
-    no request holding blocks (reports come every 500 ms)."""
+    """Decode's free blocks once idle after a warm-up request: every block but vLLM's null block."""
     cluster.generate(prompt_of(100, seed=99), 2)
-    deadline = time.monotonic() + 30
-    load = _decode_load(cluster)
-    while (load.running_requests or load.waiting_requests) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        load = _decode_load(cluster)
-    assert not (load.running_requests or load.waiting_requests), load
-    return load.free_blocks
+    return idle_all_free(cluster, pb.ROLE_DECODE)
 
 
 def test_sequential_outputs_equal_single_instance(cluster: PDCluster, expected: dict[int, list[int]]) -> None:

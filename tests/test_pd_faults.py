@@ -18,7 +18,14 @@ from kvpush.services.common.leg_macs import write_master
 from kvpush.services.common.vllm_server import complete
 from kvpush.v1 import kvpush_pb2 as pb
 from scripts.cluster.pd import PDCluster, pd_cluster
-from tests.test_pd_e2e import _decode_load, _wait_free_blocks, assert_pushed, prompt_of, prompt_sources
+from tests.test_pd_e2e import (
+    _decode_load,
+    _wait_free_blocks,
+    assert_pushed,
+    idle_all_free,
+    prompt_of,
+    prompt_sources,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -41,14 +48,8 @@ def _open_on(c: PDCluster, engine_id: str) -> int:
 
 
 def _idle_free_blocks(c: PDCluster) -> int:
-    """Decode's free blocks from the first load report that shows no request holding blocks."""
-    deadline = time.monotonic() + 30
-    load = _decode_load(c)
-    while (load.running_requests or load.waiting_requests) and time.monotonic() < deadline:
-        time.sleep(0.1)
-        load = _decode_load(c)
-    assert not (load.running_requests or load.waiting_requests), load
-    return load.free_blocks
+    """Decode's free blocks once idle: every block but vLLM's null block."""
+    return idle_all_free(c, pb.ROLE_DECODE)
 
 
 def _prefill_free(c: PDCluster, engine_id: str) -> tuple[int, bool]:
@@ -60,14 +61,8 @@ def _prefill_free(c: PDCluster, engine_id: str) -> tuple[int, bool]:
 
 
 def _prefill_idle_free(c: PDCluster, engine_id: str, timeout_s: float = 30.0) -> int:
-    """A prefill's free blocks from the first load report that shows it idle."""
-    deadline = time.monotonic() + timeout_s
-    free, idle = _prefill_free(c, engine_id)
-    while not idle:
-        assert time.monotonic() < deadline, f"{engine_id} never went idle"
-        time.sleep(0.1)  # load reports come every 500 ms; polled under a deadline
-        free, idle = _prefill_free(c, engine_id)
-    return free
+    """A prefill's free blocks once idle: every block but vLLM's null block."""
+    return idle_all_free(c, pb.ROLE_PREFILL, engine_id, timeout_s)
 
 
 def _prefill_blocks_back(c: PDCluster, engine_id: str, want: int, timeout_s: float = 30.0) -> int:
