@@ -103,7 +103,8 @@ class Trace:
         self.appended_at = sorted(serving._ts(r) for r in serving.parse_events(d_log, 0, "first_token_appended"))
         # (WRITE start, transfer id) of every push, for the ``Generate`` transfers whose ids the
         # scheduler chose: requests run one at a time, so the first push started after a request
-        # finished is its own.
+        # was scheduled is its own (with ``push_after_output=false`` it starts before the request
+        # finished).
         self.write_starts = sorted(
             (serving._ts(row) - float(row.get("write_ms", "nan")) / 1e3, tid) for tid, row in self.writes.items()
         )
@@ -120,7 +121,7 @@ class Trace:
         nan = float("nan")
         s = self.first_after(self.scheduled_at, sent)
         f = self.first_after(self.finished_at, s)
-        i = bisect.bisect_left(self.write_starts, (f, ""))
+        i = bisect.bisect_left(self.write_starts, (s, ""))
         if i == len(self.write_starts):
             return {}
         w_start, tid = self.write_starts[i]
@@ -264,6 +265,17 @@ async def measure(
                 out = await _stream(c, url, prompt, n, None, uuid.uuid4().hex)
                 return t0, out, _tree_cpu_s(pid) - cpu0
 
+            pids = {
+                "prefill": pair.prefill.pid,
+                "decode": pair.decode.pid,
+                "scheduler": pair.scheduler.proc.pid,
+                "plain": None if plain is None else plain.pid,
+            }
+
+            def cpu_by_process() -> dict[str, float]:
+                """CPU seconds so far of each process tree of the run, and of this client."""
+                return {"client": time.process_time(), **{k: _tree_cpu_s(pid) for k, pid in pids.items()}}
+
             for i, prompt in enumerate(prompts):
                 row: dict[str, Any] = {"warmup": i < args.warmup}
                 row["plain_a"] = await plain_prefill(prompt)
@@ -296,7 +308,9 @@ async def measure(
                     k = i % len(order)
                     for key, call in order[k:] + order[:k]:
                         await asyncio.sleep(args.quiet_s)  # let the last engine's worker stop spinning
+                        cpu0 = cpu_by_process()
                         row[f"{key}_sent"], row[key], row[f"{key}_cpu_s"] = await call()
+                        row[f"{key}_cpu_by_process"] = {k: v - cpu0[k] for k, v in cpu_by_process().items()}
                     await asyncio.sleep(args.quiet_s)  # nor the next prompt's requests
                 rows.append(row)
     finally:
@@ -357,12 +371,16 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
             put("plain.tpot_decode_quiet", _tpot(r["plain_d_quiet"]))
             put("plain.cpu_instance_quiet", r["plain_instance_cpu_s"])
             put("plain.cpu_decode_quiet", r["plain_d_quiet_cpu_s"])
+            for proc, cpu_s in r.get("plain_d_quiet_cpu_by_process", {}).items():
+                put(f"plain.cpu_decode_quiet.{proc}", cpu_s)
             for key, name in (("plain_instance", "plain.{}_instance_quiet"), ("generate_quiet", "generate.{}_quiet")):
                 ts = r[key]
                 put(name.format("tpot"), _tpot(ts))
                 put(name.format("tpot2"), _tpot(ts[1:]))
                 put(name.format("ttft"), ts[0] - r[f"{key}_sent"])
                 put(name.format("gap"), ts[1] - ts[0])
+                for proc, cpu_s in r.get(f"{key}_cpu_by_process", {}).items():
+                    put(f"{name.format('cpu')}.{proc}", cpu_s)
     p50 = {k: float(np.nanmedian(v)) for k, v in series.items()}
 
     def paired(a: str, b: str) -> float:
@@ -394,7 +412,7 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
 
 _GAP_PHASES = {
     "finished_to_token_appended": "of the gap: prefill's request finished → its token appended on decode",
-    "finished_to_write": "of the gap: request finished → the held push's WRITE starts",
+    "finished_to_write": "of the gap: request finished → the push's WRITE starts (negative: before it)",
     "write": "of the gap: → WRITE done",
     "write_to_release": "of the gap: → decode releases",
     "release_to_scheduled": "of the gap: → decode schedules it",
@@ -496,6 +514,21 @@ def markdown(res: dict[str, Any]) -> str:
             f"{p['generate.tpot2_quiet']:.2f} | {d['tpot2_ratio_generate_to_plain_instance']:.3f}× |",
             f"| first → second token | {p['plain.gap_instance_quiet']:.2f} | {p['generate.gap_quiet']:.2f} | "
             f"{d['gap_generate_minus_plain_instance']:+.2f} ms |",
+        ]
+        procs = ("client", "scheduler", "prefill", "decode", "plain")
+        cpu = {
+            which: [p.get(f"{name}.{proc}", float("nan")) for proc in procs]
+            for which, name in (
+                ("plain vLLM", "plain.cpu_instance_quiet"),
+                ("decode engine, plain request", "plain.cpu_decode_quiet"),
+                ("`Generate`", "generate.cpu_quiet"),
+            )
+        }
+        lines += [
+            "",
+            "| CPU per request, p50 ms | " + " | ".join(procs) + " |",
+            "|---|" + "---:|" * len(procs),
+            *[f"| {which} | " + " | ".join(f"{v:.1f}" for v in vals) + " |" for which, vals in cpu.items()],
         ]
     return "\n".join(lines) + "\n"
 

@@ -86,6 +86,9 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
         "plain_instance": [_t(4000), _t(4008), _t(4016)],
         "plain_instance_sent": _t(3990),
         "plain_instance_cpu_s": 0.050,
+        "plain_instance_cpu_by_process": {"client": 0.010, "scheduler": 0.0, "decode": 0.001, "plain": 0.050},
+        "generate_quiet_cpu_by_process": {"client": 0.009, "scheduler": 0.004, "decode": 0.052, "plain": 0.0},
+        "plain_d_quiet_cpu_by_process": {"client": 0.010, "scheduler": 0.0, "decode": 0.055, "plain": 0.001},
         "generate_quiet": [_t(4200), _t(4220), _t(4232)],
         "generate_quiet_sent": _t(4190),
         "busy_tid": "t2",
@@ -162,7 +165,53 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
     assert "| plain request while a P/D transfer waits on the decode engine | 11.00 | 1.100 |" in md
     assert "| the kvpush decode engine, plain request | 9.00 | 1.125 |" in md
     assert "| TPOT per request (the hand-off gap included) | 8.00 | 16.00 | 2.000× |" in md
-    assert "| `Generate`: of the gap: request finished → the held push's WRITE starts | 4.00 |" in md
+    assert "| `Generate`: of the gap: request finished → the push's WRITE starts (negative: before it) | 4.00 |" in md
+    # each process's CPU per request (no prefill column in the rows: nan, not a crash)
+    assert p["generate.cpu_quiet.scheduler"] == pytest.approx(4.0, abs=0.01)
+    assert "| CPU per request, p50 ms | client | scheduler | prefill | decode | plain |" in md
+    assert "| `Generate` | 9.0 | 4.0 | nan | 52.0 | 0.0 |" in md
+    assert "| decode engine, plain request | 10.0 | 0.0 | nan | 55.0 | 1.0 |" in md
+
+
+def test_a_push_started_before_its_request_finished_is_still_its_own(tmp_path: Path) -> None:
+    """``push_after_output=false``: the hand-off's WRITE starts at the forward's end, before the
+    request finished; the gap takes that WRITE (negative start), not the next request's."""
+    p_log, d_log = tmp_path / "p.log", tmp_path / "d.log"
+    p_log.write_text(
+        "".join(
+            [
+                _line("request_scheduled", 10, request_id="cmpl-scheduler-chosen-0"),
+                _line("forward_done", 90),
+                _line("write_finished", 92, transfer_id="early", write_ms="1.0"),  # WRITE 91-92
+                _line("request_finished", 93, request_id="cmpl-scheduler-chosen-0"),
+                _line("request_scheduled", 500, request_id="cmpl-next-0"),
+                _line("write_finished", 580, transfer_id="next", write_ms="1.0"),
+            ]
+        )
+    )
+    d_log.write_text(
+        "".join(
+            [
+                _line("transfer_released", 94, transfer_id="early"),
+                _line("first_token_appended", 96, transfer_id="early"),
+                _line("request_scheduled", 97, request_id="cmpl-scheduler-chosen-decode-0"),
+                _line("forward_done", 100),
+            ]
+        )
+    )
+    gap = {k: v * 1e3 for k, v in phases.Trace(p_log, d_log).handoff_gap(_t(0), _t(104)).items()}
+    assert gap == pytest.approx(
+        {
+            "finished_to_token_appended": 3.0,
+            "finished_to_write": -2.0,
+            "write": 1.0,
+            "write_to_release": 2.0,
+            "release_to_scheduled": 3.0,
+            "decode_forward": 3.0,
+            "forward_to_second_token": 4.0,
+        },
+        abs=0.01,
+    )
 
 
 def test_tree_cpu_counts_this_process_threads() -> None:

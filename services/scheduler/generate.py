@@ -28,6 +28,8 @@ log = get_logger("scheduler")
 
 _UNAVAILABLE_HTTP = {502, 503, 504}
 _MAX_BODY = 2000
+# A decode stream's line (one SSE event of vLLM's: a chunk of a token or a few) is never near this.
+MAX_STREAM_LINE = 1 << 20
 
 
 class LegError(Exception):
@@ -60,6 +62,41 @@ class Chunk:
     finish_reason: str
 
 
+class SilenceWatchdog:
+    """Cancels the task that created it once ``heard`` was not called for ``limit_s``.
+
+    The decode leg's limit on silence. aiohttp's ``sock_read`` timeout re-arms a timer on every
+    read, a quarter of the stream's CPU in the scheduler, which relays every token (measured:
+    docs/bench_phases.md); this one keeps one timer per ``limit_s`` and ``heard`` only stores the
+    time. ``fired`` says the cancellation was its own."""
+
+    def __init__(self, limit_s: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None, "a watchdog guards a task"
+        self._task = task
+        self.limit_s = limit_s
+        self.fired = False
+        self._last = self._loop.time()
+        self._handle = self._loop.call_at(self._last + limit_s, self._check)
+
+    def heard(self) -> None:
+        self._last = self._loop.time()
+
+    def _check(self) -> None:
+        if self._task.done():
+            return
+        due = self._last + self.limit_s
+        if self._loop.time() >= due:
+            self.fired = True
+            self._task.cancel()
+        else:
+            self._handle = self._loop.call_at(due, self._check)
+
+    def close(self) -> None:
+        self._handle.cancel()
+
+
 class OpenAIClient:
     """Minimal client of vLLM's OpenAI-compatible server, over one shared aiohttp session."""
 
@@ -72,6 +109,9 @@ class OpenAIClient:
         self._model = model
         self._models: dict[str, str] = {}
         self._timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=read_timeout_s)
+        # The decode stream's silence is bounded by a SilenceWatchdog instead of sock_read.
+        self._stream_timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_read=None)
+        self._read_timeout_s = read_timeout_s
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
@@ -148,22 +188,44 @@ class OpenAIClient:
     async def decode(
         self, endpoint: str, p: GenerateParams, params: dict[str, Any], max_tokens: int | None = None
     ) -> AsyncIterator[Chunk]:
+        """The streamed chunks. Reads whatever has arrived and splits it into lines itself (one
+        await per read, not one per line); a stream silent for the read timeout fails the leg."""
         body = self._body(await self.model("decode", endpoint), p, params, stream=True, max_tokens=max_tokens)
         url = f"{endpoint}/v1/completions"
+        watchdog = SilenceWatchdog(self._read_timeout_s)
         try:
-            async with self._http().post(url, json=body) as resp:
+            async with self._http().post(url, json=body, timeout=self._stream_timeout) as resp:
                 if resp.status != 200:
                     raise _http_error("decode", url, resp.status, await resp.text())
-                async for raw in resp.content:
-                    line = raw.strip()
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        return
-                    yield _parse_chunk(url, data)
+                rest = b""
+                async for data in resp.content.iter_any():
+                    watchdog.heard()
+                    *lines, rest = (rest + data).split(b"\n")
+                    if len(rest) > MAX_STREAM_LINE:
+                        raise LegError("decode", f"{url}: a stream line over {MAX_STREAM_LINE} bytes", False)
+                    for raw in lines:
+                        line = raw.strip()
+                        if not line.startswith(b"data:"):
+                            continue
+                        event = line[5:].strip()
+                        if event == b"[DONE]":
+                            return
+                        yield _parse_chunk(url, event)
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise LegError("decode", f"POST {url}: {exc!r}", unavailable=True) from exc
+        except asyncio.CancelledError:
+            # Only the watchdog's own cancellation becomes the leg's failure; a caller's stays one.
+            if watchdog.fired and self._uncancel() == 0:
+                silent = f"POST {url}: nothing read for {watchdog.limit_s:g}s"
+                raise LegError("decode", silent, unavailable=True) from None
+            raise
+        finally:
+            watchdog.close()
+
+    @staticmethod
+    def _uncancel() -> int:
+        task = asyncio.current_task()
+        return task.uncancel() if task is not None else 0
 
 
 def _http_error(leg: str, url: str, status: int, body: str) -> LegError:
