@@ -105,16 +105,16 @@ def test_a_stream_silent_past_the_read_timeout_fails_the_leg_with_what_came_befo
 
 def test_a_steady_stream_longer_than_the_read_timeout_is_not_cut() -> None:
     async def steady(resp: web.StreamResponse) -> None:
-        for t in range(8):
+        for t in range(12):
             await resp.write(_event(t))
-            await asyncio.sleep(0.1)  # the pace of the stream, well inside the 0.35 s limit
+            await asyncio.sleep(0.06)  # the pace of the stream, well inside the 0.5 s limit
         await resp.write(b"data: [DONE]\n\n")
 
     async def body() -> None:
-        client = OpenAIClient(read_timeout_s=0.35)
+        client = OpenAIClient(read_timeout_s=0.5)
         try:
             async with server(steady) as url:
-                assert await asyncio.wait_for(_tokens(client, url), WAIT_S) == list(range(8))
+                assert await asyncio.wait_for(_tokens(client, url), WAIT_S) == list(range(12))
         finally:
             await client.close()
 
