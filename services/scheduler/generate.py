@@ -66,9 +66,10 @@ class SilenceWatchdog:
     """Cancels the task that created it once ``heard`` was not called for ``limit_s``.
 
     The decode leg's limit on silence. aiohttp's ``sock_read`` timeout re-arms a timer on every
-    read, a quarter of the stream's CPU in the scheduler, which relays every token (measured:
-    docs/bench_phases.md); this one keeps one timer per ``limit_s`` and ``heard`` only stores the
-    time. ``fired`` says the cancellation was its own."""
+    read: a tenth of the scheduler's profile samples while it relays tokens (docs/bench_phases.md,
+    runs 57-72); this one keeps one timer per ``limit_s`` and ``heard`` only stores the time.
+    ``fired`` says the cancellation was its own. The cancellation lands at the task's next await:
+    the stream's consumer (``run_legs``' decode leg) awaits nothing between chunks but the stream."""
 
     def __init__(self, limit_s: float) -> None:
         self._loop = asyncio.get_running_loop()
