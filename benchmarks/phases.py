@@ -255,15 +255,10 @@ async def measure(
                     g_tokens.extend([time.time()] * len(msg.token_ids))
                 return g0, g_tokens
 
-            async def generate_timed(prompt: list[int]) -> tuple[float, list[float], float]:
-                return (*await generate(prompt), float("nan"))
-
-            async def streamed(url: str, prompt: list[int], pid: int | None) -> tuple[float, list[float], float]:
-                """A plain streamed request: when it was sent, each token's arrival, and the CPU
-                time the engine ``pid``'s processes used meanwhile."""
-                cpu0, t0 = _tree_cpu_s(pid), time.time()
-                out = await _stream(c, url, prompt, n, None, uuid.uuid4().hex)
-                return t0, out, _tree_cpu_s(pid) - cpu0
+            async def streamed(url: str, prompt: list[int]) -> tuple[float, list[float]]:
+                """A plain streamed request: when it was sent, and each token's arrival."""
+                t0 = time.time()
+                return t0, await _stream(c, url, prompt, n, None, uuid.uuid4().hex)
 
             pids = {
                 "prefill": pair.prefill.pid,
@@ -298,19 +293,21 @@ async def measure(
                 row["busy_tid"], row["busy_d_tokens"] = await handoff_into_a_running_decode(prompt)
                 row["plain_b"] = await plain_prefill(prompt)
                 if plain is not None:
-                    # The three in a rotating order, so none is always first after the pause. The two
-                    # plain requests also count the CPU their engine's processes used meanwhile.
-                    order: list[tuple[str, Callable[[], Awaitable[tuple[float, list[float], float]]]]] = [
-                        ("plain_instance", functools.partial(streamed, plain.base_url, prompt, plain.pid)),
-                        ("plain_d_quiet", functools.partial(streamed, d_url, prompt, pair.decode.pid)),
-                        ("generate_quiet", functools.partial(generate_timed, prompt)),
+                    # The three in a rotating order, so none is always first after the pause; each
+                    # counts the CPU every process used meanwhile, the plain ones their engine's too.
+                    order: list[tuple[str, Callable[[], Awaitable[tuple[float, list[float]]]], str]] = [
+                        ("plain_instance", functools.partial(streamed, plain.base_url, prompt), "plain"),
+                        ("plain_d_quiet", functools.partial(streamed, d_url, prompt), "decode"),
+                        ("generate_quiet", functools.partial(generate, prompt), ""),
                     ]
                     k = i % len(order)
-                    for key, call in order[k:] + order[:k]:
+                    for key, call, engine in order[k:] + order[:k]:
                         await asyncio.sleep(args.quiet_s)  # let the last engine's worker stop spinning
                         cpu0 = cpu_by_process()
-                        row[f"{key}_sent"], row[key], row[f"{key}_cpu_s"] = await call()
-                        row[f"{key}_cpu_by_process"] = {k: v - cpu0[k] for k, v in cpu_by_process().items()}
+                        row[f"{key}_sent"], row[key] = await call()
+                        used = {proc: cpu_s - cpu0[proc] for proc, cpu_s in cpu_by_process().items()}
+                        row[f"{key}_cpu_by_process"] = used
+                        row[f"{key}_cpu_s"] = used[engine] if engine else float("nan")
                     await asyncio.sleep(args.quiet_s)  # nor the next prompt's requests
                 rows.append(row)
     finally:
