@@ -82,10 +82,12 @@ class ConnectorConfig:
     # kv_load_failure_policy "fail" and --worker-cls kvpush.connector.vllm_worker.KvPushWorker.
     first_token_handoff: bool = True
     first_token_wait_s: float = 30.0  # KV landed, token not come: the request fails after this
-    # Prefill: a hand-off transfer's push starts when the next engine step does (its step's
-    # output, the client's first token, is then out) instead of at the forward's end, where it
-    # competes with that output for the core (docs/first_token.md).
-    push_after_output: bool = True
+    # Prefill: true holds a hand-off transfer's push until the next engine step starts (its step's
+    # output, the client's first token, is then out) instead of starting it at the forward's end,
+    # where it competes with that output for the core. Off: paired, ten runs each, the gap before
+    # the second token is 2.2 ms shorter with the push at the forward's end, for 0.9 ms of TTFT
+    # (docs/bench_phases.md, runs 58-71 and 73-80).
+    push_after_output: bool = False
     # Prefill, with push_after_output: start a held push as soon as its first token has left this
     # process, if that comes before the next step (the registration and the worker share a process:
     # vLLM's uni executor; connector/handoff_holds.py). Off: no gain measured on the gap before the
@@ -95,6 +97,13 @@ class ConnectorConfig:
     # sampled it; false: on the load stream only (the registration thread's wake-up waits behind
     # the step's output on a busy core; docs/first_token.md).
     first_token_direct: bool = True
+    # Prefill: an OK completion of a hand-off transfer carries the first token when this engine has
+    # sampled it by then, so decode need not wait for the scheduler's relay of it
+    # (connector/completion_tokens.py; same-process only: vLLM's uni executor).
+    first_token_on_completion: bool = True
+    # ... and how long a completion whose WRITE finished before the engine posted that token waits
+    # for it (the token comes at the step's end; a completion that gives up goes without it).
+    first_token_completion_wait_ms: float = 5.0
     # Prometheus: the engine-core process serves base, worker rank r serves base + 1 + r; 0: off.
     metrics_base_port: int = 0
     # Logs each request's first scheduling and its end (scheduler process) and each step's forward
@@ -130,6 +139,8 @@ class ConnectorConfig:
                 raise ConfigError(f"kv_connector_extra_config[{key!r}] must be in (0, 1e6] microseconds")
         if not 0 <= cfg.gil_switch_interval_us <= 1e6:
             raise ConfigError("kv_connector_extra_config['gil_switch_interval_us'] must be in [0, 1e6] microseconds")
+        if not 0 <= cfg.first_token_completion_wait_ms <= 1000:
+            raise ConfigError("kv_connector_extra_config['first_token_completion_wait_ms'] must be in [0, 1000] ms")
         return cfg
 
     _TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")

@@ -10,6 +10,7 @@ import threading
 import time
 from typing import Any, NamedTuple
 
+from kvpush.connector.completion_tokens import COMPLETION_TOKENS
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.engine_wake import ENGINE_WAKE
 from kvpush.connector.legs import LegGate
@@ -96,6 +97,7 @@ class DecodeScheduler:
         self._vocab = self._vocab_size or 2**31
         self._token_lock = threading.Lock()
         self._token_inbox: list[pb.FirstToken] = []  # from the registration thread
+        self._completion_inbox: list[pb.FirstToken] = []  # with completions, from a decode rank's thread
         # transfer id -> prefill engine -> (token, arrival, order): relayed, not yet taken
         self._tokens: dict[str, dict[str, tuple[pb.FirstToken, float, int]]] = {}
         self._pending_tokens = 0
@@ -152,6 +154,8 @@ class DecodeScheduler:
             vocab_size=self._vocab_size,
             leg_keys=self.legs.mac_keys,
         )
+        if self._handoff_problem is None:
+            COMPLETION_TOKENS.bind(self._completion_token)
 
     def _first_tokens(self, tokens: list[pb.FirstToken]) -> None:
         """Relayed first tokens (registration thread): taken at the next step."""
@@ -159,13 +163,27 @@ class DecodeScheduler:
             self._token_inbox.extend(tokens)
         ENGINE_WAKE.notify()  # the next step appends it; an idle engine runs that step now
 
+    def _completion_token(self, token: pb.FirstToken) -> None:
+        """A first token that came with a completion its rank's barrier accepted (a decode rank's
+        thread, this process: connector/completion_tokens.py): taken at the next step."""
+        with self._token_lock:
+            self._completion_inbox.append(token)
+        ENGINE_WAKE.notify()
+
     def _take_tokens(self, now: float) -> None:
         """Moves relayed tokens into ``_tokens`` and appends one to the prompt of the request
         waiting for it, once it comes from a prefill the transfer was published to: its leg's, or
         the current one after a reroute (a rerouted prefill's token can come before decode has the
         new leg, so a token from another prefill waits too). The first accepted token wins; tokens
         for transfers not reserved yet, or from prefills not (yet) the transfer's, wait for a
-        bounded time."""
+        bounded time. A token that came with a completion is taken only for a request waiting for
+        it, and only from its leg's prefill: the token its frontend streamed (after a reroute the
+        relay carries the first prefill's token, which is the one streamed)."""
+        if self._completion_inbox:
+            with self._token_lock:
+                carried, self._completion_inbox = self._completion_inbox, []
+            for ft in carried:
+                self._take_carried(ft)
         if self._token_inbox:
             with self._token_lock:
                 inbox, self._token_inbox = self._token_inbox, []
@@ -174,6 +192,9 @@ class DecodeScheduler:
                     FIRST_TOKENS.labels("refused").inc()
                     log.warning("first_token_refused", transfer_id=ft.transfer_id, reason="token id out of range")
                     continue
+                holder = self._holders.get(ft.transfer_id)
+                if holder is not None and holder not in self._want_token:
+                    continue  # its request took its token already (say, from a completion)
                 if self._pending_tokens >= _MAX_PENDING_TOKENS:
                     FIRST_TOKENS.labels("refused").inc()
                     log.warning("first_token_refused", transfer_id=ft.transfer_id, reason="too many pending")
@@ -189,22 +210,14 @@ class DecodeScheduler:
             rid = self._holders.get(tid)
             want = self._want_token.get(rid) if rid is not None else None
             if want is not None:
-                leg_prefill, request = want.leg_prefill, want.request
+                leg_prefill = want.leg_prefill
                 current = self.agent.prefill_of(tid) if self.agent is not None else None
                 # The earliest relayed of the acceptable ones: the token Generate streamed too.
                 candidates = [per[p] for p in {leg_prefill, current} if p is not None and p in per]
                 taken = min(candidates, key=lambda c: c[2]) if candidates else None
                 if taken is not None:
                     assert rid is not None
-                    ft = taken[0]
-                    append_first_token(request, int(ft.token_id))
-                    del self._want_token[rid]
-                    self._drop_tokens(tid)
-                    self._delivered.append(rid)
-                    if _is_seeded(request):
-                        self._advance.add(rid)
-                    FIRST_TOKENS.labels("appended").inc()
-                    log.info("first_token_appended", transfer_id=tid, request_id=rid, prefill=ft.prefill_engine_id)
+                    self._append(rid, want, taken[0], "relay")
                     continue
             for prefill, (_, arrived, _) in list(per.items()):
                 if now - arrived > _PENDING_TOKEN_S:
@@ -216,6 +229,34 @@ class DecodeScheduler:
                     log.warning("first_token_expired", transfer_id=tid, prefill=prefill)
             if not per:
                 del self._tokens[tid]
+
+    def _take_carried(self, ft: pb.FirstToken) -> None:
+        rid = self._holders.get(ft.transfer_id)
+        want = self._want_token.get(rid) if rid is not None else None
+        if want is None or rid is None:
+            return  # appended already (relayed first), or not a hand-off waiting here
+        if ft.prefill_engine_id != want.leg_prefill or ft.token_id >= self._vocab:
+            FIRST_TOKENS.labels("refused").inc()
+            log.warning(
+                "first_token_refused",
+                transfer_id=ft.transfer_id,
+                prefill=ft.prefill_engine_id,
+                reason="completion's token out of range or not from the leg's prefill",
+            )
+            return
+        self._append(rid, want, ft, "completion")
+
+    def _append(self, rid: str, want: _WantToken, ft: pb.FirstToken, via: str) -> None:
+        append_first_token(want.request, int(ft.token_id))
+        del self._want_token[rid]
+        self._drop_tokens(want.transfer_id)
+        self._delivered.append(rid)
+        if _is_seeded(want.request):
+            self._advance.add(rid)
+        FIRST_TOKENS.labels("appended").inc()
+        log.info(
+            "first_token_appended", transfer_id=want.transfer_id, request_id=rid, prefill=ft.prefill_engine_id, via=via
+        )
 
     def _drop_tokens(self, tid: str) -> None:
         self._pending_tokens -= len(self._tokens.pop(tid, {}))
@@ -375,7 +416,7 @@ class DecodeScheduler:
             for new in scheduler_output.scheduled_new_reqs:
                 if new.req_id in self._want_token:
                     self._veto(meta, new.req_id)
-        if self._want_token or self._tokens or self._token_inbox:
+        if self._want_token or self._tokens or self._token_inbox or self._completion_inbox:
             self._take_tokens(time.monotonic())
         if self._new_waiting:
             meta.awaiting_first_token, self._new_waiting = self._new_waiting, []
@@ -443,6 +484,7 @@ class DecodeScheduler:
         return bool(self._cancelling)
 
     def shutdown(self) -> None:
+        COMPLETION_TOKENS.bind(None)
         if self.registration is not None:
             self.registration.stop()
         if self.agent is not None:

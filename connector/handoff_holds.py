@@ -1,7 +1,9 @@
 """Hand-off pushes held until their first token has left the prefill engine's process.
 
-A first-token hand-off transfer's push must not compete with the token for the prefill core: the
-client's first token is the token prefill sampled. The worker therefore holds the push after the
+With ``push_after_output`` (off by default since docs/bench_phases.md runs 73-80: the push at the
+forward's end shortens the gap before the second token by more than the TTFT it costs), a
+first-token hand-off transfer's push does not compete with the token for the prefill core: the
+client's first token is the token prefill sampled. The worker then holds the push after the
 forward. It is released by whichever comes first:
 
 - the engine's next step starts (``release``, called by the worker): vLLM schedules it after it

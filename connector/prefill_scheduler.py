@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from kvpush.connector.completion_tokens import SAMPLED_FIRST_TOKENS
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.handoff_holds import HANDOFF_HOLDS
 from kvpush.connector.legs import LegGate
@@ -129,6 +130,8 @@ class PrefillScheduler:
             )
             self._flagged.add(rid)
             self._push_bytes[rid] = sum(len(g) for g in block_ids) * self._block_bytes
+            if leg.first_token and self.cfg.first_token_on_completion:
+                SAMPLED_FIRST_TOKENS.expect(leg.transfer_id)  # its completions wait for the token
         return meta
 
     def request_finished(self, request: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -156,6 +159,11 @@ class PrefillScheduler:
         """First-token hand-off: the token this engine sampled goes to the scheduler now, which
         relays it to the decode engine and to the frontend."""
         out = list(getattr(request, "output_token_ids", ()) or ())
+        if self.cfg.first_token_on_completion:
+            if out:
+                SAMPLED_FIRST_TOKENS.post(leg.transfer_id, int(out[0]))  # for the push's completions
+            else:
+                SAMPLED_FIRST_TOKENS.forget(leg.transfer_id)
         if not out or self.registration is None:
             log.warning("first_token_not_sent", transfer_id=leg.transfer_id, request_id=request.request_id)
             return

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 from kvpush.connector import sampler_state
+from kvpush.connector.completion_tokens import COMPLETION_TOKENS, SAMPLED_FIRST_TOKENS
 from kvpush.connector.compute_fence import Fence, FenceFactory, FenceGate, NoFence, fence_factory
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.engine_wake import ENGINE_WAKE
@@ -80,7 +81,11 @@ class DecodeWorker:
             security=self.cfg.security(f"decode-rank {self.cfg.engine_id}/{rank}"),
         )
         # A release wakes vLLM's engine loop from its idle wait to report it now (engine_wake.py).
-        self.rank = create_rank(rcfg, engine, desc.regions, on_queued=ENGINE_WAKE.notify)
+        # A token that came with a completion goes to the scheduler half of this process, if there
+        # is one there (vLLM's uni executor; connector/completion_tokens.py).
+        self.rank = create_rank(
+            rcfg, engine, desc.regions, on_queued=ENGINE_WAKE.notify, on_first_token=COMPLETION_TOKENS.offer
+        )
         self.cfg.serve_metrics(1 + rank)
         layout = self.rank.layout()
         layout.completion_endpoint = self.cfg.advertised(self.rank.port)
@@ -203,7 +208,15 @@ class PrefillWorker:
             write_timeout_s=self.cfg.write_timeout_s,
             security=self.cfg.security(f"prefill-agent {self.cfg.engine_id}/{rank}"),
         )
-        self.agent = PrefillAgent(acfg, engine, desc.regions, incarnation=incarnation, on_release=self._on_release)
+        self.agent = PrefillAgent(
+            acfg,
+            engine,
+            desc.regions,
+            incarnation=incarnation,
+            on_release=self._on_release,
+            first_tokens=SAMPLED_FIRST_TOKENS if self.cfg.first_token_on_completion else None,
+            first_token_wait_s=self.cfg.first_token_completion_wait_ms * 1e-3,
+        )
         self.agent.start()
         self.cfg.serve_metrics(1 + rank)
         self._handshake = RankHandshake(

@@ -43,6 +43,10 @@ def test_config_roles_types_and_errors() -> None:
     }
     with pytest.raises(ConfigError, match="agent_base_port"):
         ConnectorConfig.from_vllm(_kv_cfg(agent_base_port="x"))
+    for wait in ("-1", "1001", "nan"):
+        with pytest.raises(ConfigError, match="first_token_completion_wait_ms"):
+            ConnectorConfig.from_vllm(_kv_cfg(first_token_completion_wait_ms=wait))
+    assert ConnectorConfig.from_vllm(_kv_cfg(first_token_completion_wait_ms="0")).first_token_completion_wait_ms == 0
 
 
 def test_describe_cpu_kv_layout_views_of_one_buffer() -> None:

@@ -92,9 +92,12 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         local: RankRegions,
         on_release: Callable[[Released], None] | None = None,
         on_queued: Callable[[], None] | None = None,
+        on_first_token: Callable[[pb.FirstToken], object] | None = None,
     ) -> None:
         """Releases go to ``on_release`` when given, else to ``take_released``'s queue, after
-        which ``on_queued`` is called (the connector wakes vLLM's engine loop with it)."""
+        which ``on_queued`` is called (the connector wakes vLLM's engine loop with it).
+        ``on_first_token`` takes the first token an accepted OK completion carried, before the
+        release that completion may cause (connector/completion_tokens.py)."""
         self.config = config
         self.security = config.security or Security.insecure(f"decode-rank {config.engine_id}/{config.rank}")
         self.engine = engine
@@ -102,6 +105,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self.table = BarrierTable(tombstone_s=config.tombstone_s, max_pending=config.max_pending_barriers)
         self._on_release = on_release
         self._on_queued = on_queued
+        self._on_first_token = on_first_token
         self._released: Handoff[Released] = Handoff()
         self._loop = LoopThread(f"kvpush-decode-rank-{config.rank}")
         self._server: grpc.aio.Server | None = None
@@ -336,6 +340,16 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             await context.abort(_status(exc), exc.message)
         if request.status == pb.TRANSFER_STATUS_OK:
             metrics.BYTES.inc(request.bytes_written)
+            if request.HasField("first_token") and self._on_first_token is not None:
+                # The barrier accepted it: it comes from the transfer's prefill, for its epoch.
+                self._on_first_token(
+                    pb.FirstToken(
+                        transfer_id=request.transfer_id,
+                        decode_engine_id=self.config.engine_id,
+                        prefill_engine_id=request.prefill.engine_id,
+                        token_id=request.first_token,
+                    )
+                )
         if rel is not None:
             if rel.outcome is not Outcome.OK:
                 await self._drain()
@@ -371,8 +385,9 @@ def create_rank(
     local: RankRegions,
     on_release: Callable[[Released], None] | None = None,
     on_queued: Callable[[], None] | None = None,
+    on_first_token: Callable[[pb.FirstToken], object] | None = None,
 ) -> DecodeRank:
     """Registers the rank's regions with NIXL (once: memory the engine already registered is
     skipped) and starts its server."""
     engine.register(register_spans(local), *local.memory())
-    return DecodeRank(config, engine, local, on_release, on_queued).start()
+    return DecodeRank(config, engine, local, on_release, on_queued, on_first_token).start()

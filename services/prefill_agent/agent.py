@@ -15,6 +15,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -72,6 +73,14 @@ class PrefillAgentConfig:
     max_entries_per_decode: int = limits.MAX_ENTRIES_PER_DECODE
     # mTLS for the agent's server and its completion channels; None: plaintext (tests, logged).
     security: Security | None = None
+
+
+class FirstTokenSource(Protocol):
+    """The first tokens this prefill engine sampled for hand-off transfers, by transfer id."""
+
+    def get(self, transfer_id: str) -> int | None: ...
+
+    async def wait(self, transfer_id: str, timeout_s: float) -> int | None: ...
 
 
 class _Outbox:
@@ -145,11 +154,18 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         local: RankRegions,
         incarnation: str | None = None,
         on_release: Callable[[ReleaseBlocks], None] | None = None,
+        first_tokens: FirstTokenSource | None = None,
+        first_token_wait_s: float = 0.0,
     ) -> None:
+        """``first_tokens``: the first tokens this engine sampled for hand-off transfers; an OK
+        completion carries its transfer's, waiting up to ``first_token_wait_s`` for it when the
+        WRITE finished first (connector/completion_tokens.py)."""
         self.config = config
         self.security = config.security or Security.insecure(f"prefill-agent {config.engine_id}/{config.rank}")
         self.identity = engine_identity(config.engine_id, pb.ROLE_PREFILL, config.tp_size, config.shape, incarnation)
         self._on_release = on_release
+        self._first_tokens = first_tokens
+        self._first_token_wait_s = first_token_wait_s
         self._released: Handoff[ReleaseBlocks] = Handoff()
         self._draining = False
         self._streams = itertools.count(1)
@@ -263,12 +279,30 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
     # ----- completions --------------------------------------------------------------------
 
     def _deliver(self, report: CompletionReport) -> None:
+        """The writer thread, before the transfer's blocks are released: a token already posted is
+        taken now (the engine forgets it once it freed those blocks, which may come before the
+        agent's loop runs the send)."""
+        c = report.completion
+        if self._first_tokens is not None and c.status == pb.TRANSFER_STATUS_OK:
+            token = self._first_tokens.get(c.transfer_id)
+            if token is not None:
+                c.first_token = token
         self._loop.submit(self._send_completion(report))
+
+    async def _add_first_token(self, c: pb.Completion) -> None:
+        """An OK completion of a hand-off transfer whose WRITE finished before the engine posted
+        its token waits for it (bounded; the engine posts it when the step's request ends)."""
+        if self._first_tokens is None or c.status != pb.TRANSFER_STATUS_OK or c.HasField("first_token"):
+            return
+        token = await self._first_tokens.wait(c.transfer_id, self._first_token_wait_s)
+        if token is not None:
+            c.first_token = token
 
     async def _send_completion(self, report: CompletionReport) -> None:
         """Delivers one completion, retrying with backoff while the decode rank is unreachable or
         does not know the transfer yet (its expectation may arrive late)."""
         c = report.completion
+        await self._add_first_token(c)
         deadline = time.monotonic() + COMPLETION_RETRY_S
         backoff = 0.05
         attempt = 0

@@ -4,9 +4,12 @@ nothing is patched. The patch is applied when the module it changes is first imp
 engine starts as usual.
 
 ``handoff_release_early``: a decode engine's workers stop holding a first-token hand-off request's
-KV release for its token, and its scheduler half drops every relayed token: vLLM then schedules
-hand-off requests before their token is in, the state the connector's veto exists for
-(``PushMetadata.veto_blocks``)."""
+KV release for its token, and its scheduler half drops every token that reaches it (relayed, or
+carried by a completion): vLLM then schedules hand-off requests before their token is in, the state
+the connector's veto exists for (``PushMetadata.veto_blocks``).
+
+``relay_lost``: a decode engine's scheduler half drops every relayed first token; only the tokens
+the completions carry reach it (connector/completion_tokens.py)."""
 
 from __future__ import annotations
 
@@ -31,8 +34,13 @@ def _patch_workers(mod: ModuleType) -> None:
     mod.DecodeWorker.wait_for_save = wait_for_save
 
 
-def _patch_decode_scheduler(mod: ModuleType) -> None:
+def _patch_relay(mod: ModuleType) -> None:
     mod.DecodeScheduler._first_tokens = lambda self, tokens: None  # every relayed token is lost
+
+
+def _patch_decode_scheduler(mod: ModuleType) -> None:
+    _patch_relay(mod)
+    mod.DecodeScheduler._completion_token = lambda self, token: None  # ... and every carried one
 
 
 PATCHES = {
@@ -40,6 +48,7 @@ PATCHES = {
         "kvpush.connector.workers": _patch_workers,
         "kvpush.connector.decode_scheduler": _patch_decode_scheduler,
     },
+    "relay_lost": {"kvpush.connector.decode_scheduler": _patch_relay},
 }
 
 

@@ -697,6 +697,7 @@ class Completion(_message.Message):
     BYTES_WRITTEN_FIELD_NUMBER: _builtins.int
     DESCRIPTORS_FIELD_NUMBER: _builtins.int
     WRITE_SECONDS_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     epoch: _builtins.int
     prefill_rank: _builtins.int
@@ -707,6 +708,12 @@ class Completion(_message.Message):
     descriptors: _builtins.int
     write_seconds: _builtins.float
     """NIXL post to DONE on the prefill rank"""
+    first_token: _builtins.int
+    """First-token hand-off: the token the prefill engine sampled for this transfer, when it had it
+    by the time the completion left. Decode takes it as it takes the relayed one (the same token,
+    sooner: no hop through the scheduler), and only from the prefill its leg names and only on an
+    OK completion the barrier accepted; the relay still carries it either way.
+    """
     @_builtins.property
     def prefill(self) -> Global___EngineIdentity: ...
     def __init__(
@@ -722,12 +729,15 @@ class Completion(_message.Message):
         bytes_written: _builtins.int = ...,
         descriptors: _builtins.int = ...,
         write_seconds: _builtins.float = ...,
+        first_token: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prefill", b"prefill"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token", b"_first_token", "first_token", b"first_token", "prefill", b"prefill"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes_written", b"bytes_written", "decode_rank", b"decode_rank", "descriptors", b"descriptors", "epoch", b"epoch", "prefill", b"prefill", "prefill_rank", b"prefill_rank", "reason", b"reason", "status", b"status", "transfer_id", b"transfer_id", "write_seconds", b"write_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token", b"_first_token", "bytes_written", b"bytes_written", "decode_rank", b"decode_rank", "descriptors", b"descriptors", "epoch", b"epoch", "first_token", b"first_token", "prefill", b"prefill", "prefill_rank", b"prefill_rank", "reason", b"reason", "status", b"status", "transfer_id", b"transfer_id", "write_seconds", b"write_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__first_token: _TypeAlias = _typing.Literal["first_token"]  # noqa: Y015
+    _WhichOneofArgType__first_token: _TypeAlias = _typing.Literal["_first_token", b"_first_token"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__first_token) -> _WhichOneofReturnType__first_token | None: ...
 
 Global___Completion: _TypeAlias = Completion  # noqa: Y015
 
