@@ -99,15 +99,11 @@ class ConnectorConfig:
     first_token_direct: bool = True
     # Prefill: an OK completion of a hand-off transfer carries the first token when this engine has
     # sampled it by then, so decode need not wait for the scheduler's relay of it
-    # (connector/first_token_paths.py; same-process only: vLLM's uni executor).
+    # (connector/completion_tokens.py; same-process only: vLLM's uni executor).
     first_token_on_completion: bool = True
     # ... and how long a completion whose WRITE finished before the engine posted that token waits
     # for it (the token comes at the step's end; a completion that gives up goes without it).
     first_token_completion_wait_ms: float = 5.0
-    # Prefill: also send each first token straight to the decode engine (DecodeRank.FirstTokens,
-    # started on the engine thread that sampled it), where this process's agent has that engine's
-    # reservations stream open (vLLM's uni executor); the scheduler's relay carries it either way.
-    first_token_to_decode: bool = True
     # Prometheus: the engine-core process serves base, worker rank r serves base + 1 + r; 0: off.
     metrics_base_port: int = 0
     # Logs each request's first scheduling and its end (scheduler process) and each step's forward

@@ -10,9 +10,9 @@ import threading
 import time
 from typing import Any, NamedTuple
 
+from kvpush.connector.completion_tokens import COMPLETION_TOKENS
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.engine_wake import ENGINE_WAKE
-from kvpush.connector.first_token_paths import DECODE_TOKEN_INBOX
 from kvpush.connector.legs import LegGate
 from kvpush.connector.messages import PushMetadata, RankHandshake
 from kvpush.connector.registration import Registration, engine_incarnation, model_vocab_size, register_engine
@@ -97,8 +97,7 @@ class DecodeScheduler:
         self._vocab = self._vocab_size or 2**31
         self._token_lock = threading.Lock()
         self._token_inbox: list[pb.FirstToken] = []  # from the registration thread
-        # From prefill without the scheduler (connector/first_token_paths.py), a decode rank's thread:
-        self._prefill_inbox: list[tuple[pb.FirstToken, str]] = []  # (token, the path it came by)
+        self._completion_inbox: list[pb.FirstToken] = []  # with completions, from a decode rank's thread
         # transfer id -> prefill engine -> (token, arrival, order): relayed, not yet taken
         self._tokens: dict[str, dict[str, tuple[pb.FirstToken, float, int]]] = {}
         self._pending_tokens = 0
@@ -156,7 +155,7 @@ class DecodeScheduler:
             leg_keys=self.legs.mac_keys,
         )
         if self._handoff_problem is None:
-            DECODE_TOKEN_INBOX.bind(self._token_from_prefill)
+            COMPLETION_TOKENS.bind(self._completion_token)
 
     def _first_tokens(self, tokens: list[pb.FirstToken]) -> None:
         """Relayed first tokens (registration thread): taken at the next step."""
@@ -164,12 +163,11 @@ class DecodeScheduler:
             self._token_inbox.extend(tokens)
         ENGINE_WAKE.notify()  # the next step appends it; an idle engine runs that step now
 
-    def _token_from_prefill(self, token: pb.FirstToken, via: str) -> None:
-        """A first token that came from prefill without the scheduler: with a completion its rank's
-        barrier accepted, or in prefill's own call for a transfer the rank expects from it (a
-        decode rank's thread, this process: connector/first_token_paths.py). Taken at the next step."""
+    def _completion_token(self, token: pb.FirstToken) -> None:
+        """A first token that came with a completion its rank's barrier accepted (a decode rank's
+        thread, this process: connector/completion_tokens.py): taken at the next step."""
         with self._token_lock:
-            self._prefill_inbox.append((token, via))
+            self._completion_inbox.append(token)
         ENGINE_WAKE.notify()
 
     def _take_tokens(self, now: float) -> None:
@@ -178,15 +176,14 @@ class DecodeScheduler:
         the current one after a reroute (a rerouted prefill's token can come before decode has the
         new leg, so a token from another prefill waits too). The first accepted token wins; tokens
         for transfers not reserved yet, or from prefills not (yet) the transfer's, wait for a
-        bounded time. A token that came from prefill without the scheduler (with a completion, or
-        in prefill's own call) is taken only for a request waiting for it, and only from its leg's
-        prefill: the token its frontend streamed (after a reroute the
+        bounded time. A token that came with a completion is taken only for a request waiting for
+        it, and only from its leg's prefill: the token its frontend streamed (after a reroute the
         relay carries the first prefill's token, which is the one streamed)."""
-        if self._prefill_inbox:
+        if self._completion_inbox:
             with self._token_lock:
-                came, self._prefill_inbox = self._prefill_inbox, []
-            for ft, via in came:
-                self._take_from_prefill(ft, via)
+                carried, self._completion_inbox = self._completion_inbox, []
+            for ft in carried:
+                self._take_carried(ft)
         if self._token_inbox:
             with self._token_lock:
                 inbox, self._token_inbox = self._token_inbox, []
@@ -233,7 +230,7 @@ class DecodeScheduler:
             if not per:
                 del self._tokens[tid]
 
-    def _take_from_prefill(self, ft: pb.FirstToken, via: str) -> None:
+    def _take_carried(self, ft: pb.FirstToken) -> None:
         rid = self._holders.get(ft.transfer_id)
         want = self._want_token.get(rid) if rid is not None else None
         if want is None or rid is None:
@@ -244,11 +241,10 @@ class DecodeScheduler:
                 "first_token_refused",
                 transfer_id=ft.transfer_id,
                 prefill=ft.prefill_engine_id,
-                via=via,
-                reason="out of range or not from the leg's prefill",
+                reason="completion's token out of range or not from the leg's prefill",
             )
             return
-        self._append(rid, want, ft, via)
+        self._append(rid, want, ft, "completion")
 
     def _append(self, rid: str, want: _WantToken, ft: pb.FirstToken, via: str) -> None:
         append_first_token(want.request, int(ft.token_id))
@@ -420,7 +416,7 @@ class DecodeScheduler:
             for new in scheduler_output.scheduled_new_reqs:
                 if new.req_id in self._want_token:
                     self._veto(meta, new.req_id)
-        if self._want_token or self._tokens or self._token_inbox or self._prefill_inbox:
+        if self._want_token or self._tokens or self._token_inbox or self._completion_inbox:
             self._take_tokens(time.monotonic())
         if self._new_waiting:
             meta.awaiting_first_token, self._new_waiting = self._new_waiting, []
@@ -488,7 +484,7 @@ class DecodeScheduler:
         return bool(self._cancelling)
 
     def shutdown(self) -> None:
-        DECODE_TOKEN_INBOX.bind(None)
+        COMPLETION_TOKENS.bind(None)
         if self.registration is not None:
             self.registration.stop()
         if self.agent is not None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from kvpush.connector.completion_tokens import SAMPLED_FIRST_TOKENS
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.first_token_paths import DECODE_RANKS, SAMPLED_FIRST_TOKENS, DecodeTokenSender
 from kvpush.connector.handoff_holds import HANDOFF_HOLDS
 from kvpush.connector.legs import LegGate
 from kvpush.connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake, UnreservedPrefill
-from kvpush.connector.registration import Registration, engine_incarnation, model_vocab_size, register_engine
+from kvpush.connector.registration import Registration, model_vocab_size, register_engine
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.transfer_params import PrefillLeg
 from kvpush.v1 import kvpush_pb2 as pb
@@ -26,7 +26,6 @@ class PrefillScheduler:
         self.cfg = cfg
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.registration: Registration | None = None
-        self._to_decode: DecodeTokenSender | None = None  # first tokens straight to decode
         self.legs = LegGate(cfg)  # a refused leg: the request runs as on a plain instance, nothing is pushed
         self._vocab_size = model_vocab_size(vllm_config)
         self._requests: dict[str, tuple[PrefillLeg, Any]] = {}
@@ -63,10 +62,6 @@ class PrefillScheduler:
             leg_keys=self.legs.mac_keys,
             on_tokens_sent=HANDOFF_HOLDS.token_sent if self.cfg.push_on_token_sent else None,
         )
-        if self.cfg.first_token_to_decode:
-            self._to_decode = DecodeTokenSender(
-                self.cfg.security(f"prefill-tokens {self.cfg.engine_id}"), self.cfg.engine_id, engine_incarnation(ranks)
-            )
 
     def _leg_failures(self, failures: list[pb.LegFailure]) -> None:
         """Undelivered decode legs, from the scheduler (registration thread): no reservation will
@@ -162,8 +157,7 @@ class PrefillScheduler:
 
     def _send_first_token(self, leg: PrefillLeg, request: Any) -> None:
         """First-token hand-off: the token this engine sampled goes to the scheduler now, which
-        relays it to the decode engine and to the frontend; and, where this process knows the
-        decode engine's rank, straight there too (connector/first_token_paths.py)."""
+        relays it to the decode engine and to the frontend."""
         out = list(getattr(request, "output_token_ids", ()) or ())
         if self.cfg.first_token_on_completion:
             if out:
@@ -173,17 +167,14 @@ class PrefillScheduler:
         if not out or self.registration is None:
             log.warning("first_token_not_sent", transfer_id=leg.transfer_id, request_id=request.request_id)
             return
-        token = pb.FirstToken(
-            transfer_id=leg.transfer_id,
-            decode_engine_id=leg.decode_engine_id,
-            token_id=int(out[0]),
-            stopped=request.status.name == "FINISHED_STOPPED",
+        self.registration.first_token(
+            pb.FirstToken(
+                transfer_id=leg.transfer_id,
+                decode_engine_id=leg.decode_engine_id,
+                token_id=int(out[0]),
+                stopped=request.status.name == "FINISHED_STOPPED",
+            )
         )
-        self.registration.first_token(token)  # first: Generate streams the scheduler's copy
-        if self._to_decode is not None:
-            endpoint = DECODE_RANKS.endpoint(leg.decode_engine_id)
-            if endpoint is not None:
-                self._to_decode.send(endpoint, token)
 
     def _forget_transfer(self, transfer_id: str, rid: str) -> None:
         if self._transfers.get(transfer_id, ("",))[0] == rid:
@@ -201,7 +192,5 @@ class PrefillScheduler:
         return bool(self._held or self._aborted or self._unreserved)
 
     def shutdown(self) -> None:
-        if self._to_decode is not None:
-            self._to_decode.close()
         if self.registration is not None:
             self.registration.stop()

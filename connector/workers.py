@@ -15,10 +15,10 @@ import time
 from typing import Any
 
 from kvpush.connector import sampler_state
+from kvpush.connector.completion_tokens import COMPLETION_TOKENS, SAMPLED_FIRST_TOKENS
 from kvpush.connector.compute_fence import Fence, FenceFactory, FenceGate, NoFence, fence_factory
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.engine_wake import ENGINE_WAKE
-from kvpush.connector.first_token_paths import DECODE_RANKS, DECODE_TOKEN_INBOX, SAMPLED_FIRST_TOKENS
 from kvpush.connector.handoff_holds import HANDOFF_HOLDS
 from kvpush.connector.kv_layout import KvDescription, describe
 from kvpush.connector.messages import AbortedPrefill, FinishedPrefill, PushMetadata, RankHandshake, UnreservedPrefill
@@ -52,14 +52,6 @@ def _describe(
     return rank, tp, desc, engine
 
 
-def _decode_stream(engine_id: str, stream_key: str, endpoint: str | None) -> None:
-    """Where this process's scheduler half sends first tokens straight to a decode engine."""
-    if endpoint is None:
-        DECODE_RANKS.closed(engine_id, stream_key)
-    else:
-        DECODE_RANKS.opened(engine_id, stream_key, endpoint)
-
-
 class DecodeWorker:
     def __init__(self, cfg: ConnectorConfig, model_id: str) -> None:
         self.cfg = cfg
@@ -90,9 +82,9 @@ class DecodeWorker:
         )
         # A release wakes vLLM's engine loop from its idle wait to report it now (engine_wake.py).
         # A token that came with a completion goes to the scheduler half of this process, if there
-        # is one there (vLLM's uni executor; connector/first_token_paths.py).
+        # is one there (vLLM's uni executor; connector/completion_tokens.py).
         self.rank = create_rank(
-            rcfg, engine, desc.regions, on_queued=ENGINE_WAKE.notify, on_first_token=DECODE_TOKEN_INBOX.offer
+            rcfg, engine, desc.regions, on_queued=ENGINE_WAKE.notify, on_first_token=COMPLETION_TOKENS.offer
         )
         self.cfg.serve_metrics(1 + rank)
         layout = self.rank.layout()
@@ -224,7 +216,6 @@ class PrefillWorker:
             on_release=self._on_release,
             first_tokens=SAMPLED_FIRST_TOKENS if self.cfg.first_token_on_completion else None,
             first_token_wait_s=self.cfg.first_token_completion_wait_ms * 1e-3,
-            on_decode_stream=_decode_stream if self.cfg.first_token_to_decode else None,
         )
         self.agent.start()
         self.cfg.serve_metrics(1 + rank)

@@ -285,7 +285,6 @@ DECODE_RANK_POLICY = _policy(
     "DecodeRank",
     {
         "Complete": _rule(PREFILL),
-        "FirstTokens": _rule(PREFILL),
         "Expect": _rule(DECODE, same_name=True),
         "Settle": _rule(DECODE, same_name=True),
     },

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -93,13 +92,12 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         local: RankRegions,
         on_release: Callable[[Released], None] | None = None,
         on_queued: Callable[[], None] | None = None,
-        on_first_token: Callable[[pb.FirstToken, str], object] | None = None,
+        on_first_token: Callable[[pb.FirstToken], object] | None = None,
     ) -> None:
         """Releases go to ``on_release`` when given, else to ``take_released``'s queue, after
         which ``on_queued`` is called (the connector wakes vLLM's engine loop with it).
-        ``on_first_token`` takes a first token with the path it came by: one an accepted OK
-        completion carried ("completion", before the release that completion may cause) or one
-        its prefill sent in a ``FirstTokens`` call ("prefill_call"; connector/first_token_paths.py)."""
+        ``on_first_token`` takes the first token an accepted OK completion carried, before the
+        release that completion may cause (connector/completion_tokens.py)."""
         self.config = config
         self.security = config.security or Security.insecure(f"decode-rank {config.engine_id}/{config.rank}")
         self.engine = engine
@@ -108,8 +106,6 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self._on_release = on_release
         self._on_queued = on_queued
         self._on_first_token = on_first_token
-        # transfer id -> (prefill engine, token): first tokens that came before their expectation
-        self._early_tokens: OrderedDict[str, tuple[str, int]] = OrderedDict()
         self._released: Handoff[Released] = Handoff()
         self._loop = LoopThread(f"kvpush-decode-rank-{config.rank}")
         self._server: grpc.aio.Server | None = None
@@ -281,9 +277,6 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             try:
                 self.table.expect(e.transfer_id, e.epoch, e.request_id, list(e.prefill_ranks), e.prefill_engine_id, now)
                 results.append(pb.ExpectResult())
-                early = self._early_tokens.pop(e.transfer_id, None)
-                if early is not None and early[0] == e.prefill_engine_id:
-                    self._hand_on(e.transfer_id, *early, "prefill_call")
             except CompletionError as exc:
                 code = _status(exc)
                 log.warning("expect_refused", transfer_id=e.transfer_id, code=code.name, reason=exc.message)
@@ -347,64 +340,22 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             await context.abort(_status(exc), exc.message)
         if request.status == pb.TRANSFER_STATUS_OK:
             metrics.BYTES.inc(request.bytes_written)
-            if request.HasField("first_token"):
+            if request.HasField("first_token") and self._on_first_token is not None:
                 # The barrier accepted it: it comes from the transfer's prefill, for its epoch.
-                self._hand_on(request.transfer_id, request.prefill.engine_id, request.first_token, "completion")
+                self._on_first_token(
+                    pb.FirstToken(
+                        transfer_id=request.transfer_id,
+                        decode_engine_id=self.config.engine_id,
+                        prefill_engine_id=request.prefill.engine_id,
+                        token_id=request.first_token,
+                    )
+                )
         if rel is not None:
             if rel.outcome is not Outcome.OK:
                 await self._drain()
             self._released_now(rel)
             self._update_active()
         return pb.CompletionAck(released=rel is not None)
-
-    async def FirstTokens(self, request: pb.FirstTokenReport, context: grpc.aio.ServicerContext) -> pb.FirstTokenAck:  # noqa: N802
-        """A prefill engine's first tokens, sent from the engine thread that sampled them: handed on
-        (``on_first_token``) for the transfers whose current prefill is that engine; one for a
-        transfer not expected yet waits for its expectation (bounded) and is handed on if that
-        names the same engine; others are skipped (the scheduler's relay carries every token)."""
-        not_peer = claim_problem(peer_identity(context), request.engine_id, PREFILL)
-        if not_peer is not None:
-            log.warning("first_tokens_refused", reason=not_peer)
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, not_peer)
-        if len(request.first_tokens) > limits.MAX_EXPECTATIONS_PER_CALL or len(request.engine_id) > limits.MAX_ID_CHARS:
-            log.warning(
-                "first_tokens_refused", count=len(request.first_tokens), reason="too many tokens or id too long"
-            )
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"at most {limits.MAX_EXPECTATIONS_PER_CALL} tokens and {limits.MAX_ID_CHARS}-character ids",
-            )
-        if self._on_first_token is None:
-            return pb.FirstTokenAck()
-        for ft in request.first_tokens:
-            if len(ft.transfer_id) > limits.MAX_ID_CHARS:
-                continue
-            b = self.table.get(ft.transfer_id)
-            if b is None:
-                # Prefill can sample before this rank hears of the transfer (a short prompt): kept,
-                # bounded, until its expectation names the engine it comes from.
-                self._early_tokens[ft.transfer_id] = (request.engine_id, ft.token_id)
-                while len(self._early_tokens) > limits.MAX_EXPECTATIONS_PER_CALL:
-                    self._early_tokens.popitem(last=False)
-            elif b.prefill_engine_id == request.engine_id:
-                self._hand_on(ft.transfer_id, request.engine_id, ft.token_id, "prefill_call")
-        return pb.FirstTokenAck()
-
-    def _hand_on(self, transfer_id: str, prefill_engine_id: str, token_id: int, via: str) -> None:
-        """Gives a first token to ``on_first_token``; whatever that does, the completion or call
-        that brought it is answered as without it (the relay carries the token too)."""
-        if self._on_first_token is None:
-            return
-        token = pb.FirstToken(
-            transfer_id=transfer_id,
-            decode_engine_id=self.config.engine_id,
-            prefill_engine_id=prefill_engine_id,
-            token_id=token_id,
-        )
-        try:
-            self._on_first_token(token, via)
-        except Exception:
-            log.exception("first_token_not_handed_on", transfer_id=transfer_id, via=via)
 
     async def Settle(self, request: pb.Settlement, context: grpc.aio.ServicerContext) -> pb.SettleAck:  # noqa: N802
         outcome = _OUTCOME.get(request.status)
@@ -434,7 +385,7 @@ def create_rank(
     local: RankRegions,
     on_release: Callable[[Released], None] | None = None,
     on_queued: Callable[[], None] | None = None,
-    on_first_token: Callable[[pb.FirstToken, str], object] | None = None,
+    on_first_token: Callable[[pb.FirstToken], object] | None = None,
 ) -> DecodeRank:
     """Registers the rank's regions with NIXL (once: memory the engine already registered is
     skipped) and starts its server."""

@@ -156,20 +156,16 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         on_release: Callable[[ReleaseBlocks], None] | None = None,
         first_tokens: FirstTokenSource | None = None,
         first_token_wait_s: float = 0.0,
-        on_decode_stream: Callable[[str, str, str | None], None] | None = None,
     ) -> None:
         """``first_tokens``: the first tokens this engine sampled for hand-off transfers; an OK
         completion carries its transfer's, waiting up to ``first_token_wait_s`` for it when the
-        WRITE finished first (connector/first_token_paths.py). ``on_decode_stream``: a decode
-        engine's reservations stream opened (with its rank 0's ``DecodeRank`` endpoint) or closed
-        (None), by stream key."""
+        WRITE finished first (connector/completion_tokens.py)."""
         self.config = config
         self.security = config.security or Security.insecure(f"prefill-agent {config.engine_id}/{config.rank}")
         self.identity = engine_identity(config.engine_id, pb.ROLE_PREFILL, config.tp_size, config.shape, incarnation)
         self._on_release = on_release
         self._first_tokens = first_tokens
         self._first_token_wait_s = first_token_wait_s
-        self._on_decode_stream = on_decode_stream
         self._released: Handoff[ReleaseBlocks] = Handoff()
         self._draining = False
         self._streams = itertools.count(1)
@@ -448,9 +444,6 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
                 )
             )
         )
-        if self._on_decode_stream is not None:
-            rank0 = next((r.completion_endpoint for r in hello.decode_ranks if r.tp_rank == 0), "")
-            self._on_decode_stream(hello.decode.engine_id, key, rank0 or None)
         pings: OrderedDict[int, float] = OrderedDict()  # seq -> our send time
         reader = asyncio.create_task(self._read(request_iterator, session, pings))
         pinger = asyncio.create_task(self._ping(outbox, pings))
@@ -480,8 +473,6 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             reader.cancel()
             pinger.cancel()
             self.writer.disconnect(key)
-            if self._on_decode_stream is not None:
-                self._on_decode_stream(hello.decode.engine_id, key, None)
 
     async def _ping(self, outbox: _Outbox, pings: OrderedDict[int, float]) -> None:
         """Asks for a lease renewal every lease_s / 4; the lease runs from the Ping's send time."""

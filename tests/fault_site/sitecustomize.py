@@ -5,11 +5,11 @@ engine starts as usual.
 
 ``handoff_release_early``: a decode engine's workers stop holding a first-token hand-off request's
 KV release for its token, and its scheduler half drops every token that reaches it (relayed, or
-from prefill without the scheduler): vLLM then schedules hand-off requests before their token is in, the state
+carried by a completion): vLLM then schedules hand-off requests before their token is in, the state
 the connector's veto exists for (``PushMetadata.veto_blocks``).
 
 ``relay_lost``: a decode engine's scheduler half drops every relayed first token; only the tokens
-that come from prefill without the scheduler reach it (connector/first_token_paths.py)."""
+the completions carry reach it (connector/completion_tokens.py)."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def _patch_relay(mod: ModuleType) -> None:
 
 def _patch_decode_scheduler(mod: ModuleType) -> None:
     _patch_relay(mod)
-    mod.DecodeScheduler._token_from_prefill = lambda self, token, via: None  # ... and every one from prefill
+    mod.DecodeScheduler._completion_token = lambda self, token: None  # ... and every carried one
 
 
 PATCHES = {

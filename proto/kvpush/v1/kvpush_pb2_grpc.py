@@ -139,11 +139,6 @@ class DecodeRankStub:
                 request_serializer=kvpush_dot_v1_dot_kvpush__pb2.Settlement.SerializeToString,
                 response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.SettleAck.FromString,
                 _registered_method=True)
-        self.FirstTokens = channel.unary_unary(
-                '/kvpush.v1.DecodeRank/FirstTokens',
-                request_serializer=kvpush_dot_v1_dot_kvpush__pb2.FirstTokenReport.SerializeToString,
-                response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.FirstTokenAck.FromString,
-                _registered_method=True)
 
 
 class DecodeRankServicer:
@@ -177,16 +172,6 @@ class DecodeRankServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def FirstTokens(self, request, context):
-        """First-token hand-off: a prefill engine's first tokens for transfers this rank expects from it,
-        sent straight from the engine thread that sampled them (no hop through the scheduler). Taken
-        only for a transfer whose current prefill is the calling (authenticated) engine; anything
-        else is skipped. The scheduler's relay carries the same tokens either way.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_DecodeRankServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -204,11 +189,6 @@ def add_DecodeRankServicer_to_server(servicer, server):
                     servicer.Settle,
                     request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.Settlement.FromString,
                     response_serializer=kvpush_dot_v1_dot_kvpush__pb2.SettleAck.SerializeToString,
-            ),
-            'FirstTokens': grpc.unary_unary_rpc_method_handler(
-                    servicer.FirstTokens,
-                    request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.FirstTokenReport.FromString,
-                    response_serializer=kvpush_dot_v1_dot_kvpush__pb2.FirstTokenAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -296,33 +276,6 @@ class DecodeRank:
             '/kvpush.v1.DecodeRank/Settle',
             kvpush_dot_v1_dot_kvpush__pb2.Settlement.SerializeToString,
             kvpush_dot_v1_dot_kvpush__pb2.SettleAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def FirstTokens(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvpush.v1.DecodeRank/FirstTokens',
-            kvpush_dot_v1_dot_kvpush__pb2.FirstTokenReport.SerializeToString,
-            kvpush_dot_v1_dot_kvpush__pb2.FirstTokenAck.FromString,
             options,
             channel_credentials,
             insecure,

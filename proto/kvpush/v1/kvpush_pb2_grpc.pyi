@@ -103,12 +103,6 @@ class DecodeRankStub:
     can still land (every prefill rank acked the cancel, or the grace period after a lost
     stream passed), so the rank may report it done and vLLM may free the blocks.
     """
-    FirstTokens: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.FirstTokenReport, _kvpush_pb2.FirstTokenAck]
-    """First-token hand-off: a prefill engine's first tokens for transfers this rank expects from it,
-    sent straight from the engine thread that sampled them (no hop through the scheduler). Taken
-    only for a transfer whose current prefill is the calling (authenticated) engine; anything
-    else is skipped. The scheduler's relay carries the same tokens either way.
-    """
 
 @_typing.type_check_only
 class DecodeRankAsyncStub(DecodeRankStub):
@@ -128,12 +122,6 @@ class DecodeRankAsyncStub(DecodeRankStub):
     """The decode agent's final word on a transfer that did not complete: no WRITE for the epoch
     can still land (every prefill rank acked the cancel, or the grace period after a lost
     stream passed), so the rank may report it done and vLLM may free the blocks.
-    """
-    FirstTokens: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.FirstTokenReport, _kvpush_pb2.FirstTokenAck]  # type: ignore[assignment]
-    """First-token hand-off: a prefill engine's first tokens for transfers this rank expects from it,
-    sent straight from the engine thread that sampled them (no hop through the scheduler). Taken
-    only for a transfer whose current prefill is the calling (authenticated) engine; anything
-    else is skipped. The scheduler's relay carries the same tokens either way.
     """
 
 class DecodeRankServicer(metaclass=_abc_1.ABCMeta):
@@ -169,18 +157,6 @@ class DecodeRankServicer(metaclass=_abc_1.ABCMeta):
         """The decode agent's final word on a transfer that did not complete: no WRITE for the epoch
         can still land (every prefill rank acked the cancel, or the grace period after a lost
         stream passed), so the rank may report it done and vLLM may free the blocks.
-        """
-
-    @_abc_1.abstractmethod
-    def FirstTokens(
-        self,
-        request: _kvpush_pb2.FirstTokenReport,
-        context: _ServicerContext,
-    ) -> _typing.Union[_kvpush_pb2.FirstTokenAck, _abc.Awaitable[_kvpush_pb2.FirstTokenAck]]:
-        """First-token hand-off: a prefill engine's first tokens for transfers this rank expects from it,
-        sent straight from the engine thread that sampled them (no hop through the scheduler). Taken
-        only for a transfer whose current prefill is the calling (authenticated) engine; anything
-        else is skipped. The scheduler's relay carries the same tokens either way.
         """
 
 def add_DecodeRankServicer_to_server(servicer: DecodeRankServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

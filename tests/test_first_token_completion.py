@@ -1,4 +1,4 @@
-"""The first-token hand-off's token on the push's own completion (connector/first_token_paths.py):
+"""The first-token hand-off's token on the push's own completion (connector/completion_tokens.py):
 prefill puts the token it sampled in each OK completion of the transfer; decode's rank hands the
 token of a completion its barrier accepted to the scheduler half, which appends it as it appends a
 relayed one, but only from the leg's prefill and only for a request waiting for it."""
@@ -14,9 +14,8 @@ from typing import Any
 import grpc
 import pytest
 
+from kvpush.connector.completion_tokens import COMPLETION_TOKENS, CompletionTokenInbox, SampledFirstTokens
 from kvpush.connector.config import ConnectorConfig
-from kvpush.connector.first_token_paths import DECODE_TOKEN_INBOX, DecodeTokenInbox, SampledFirstTokens
-from kvpush.services.common import limits
 from kvpush.services.common.transfer_params import PrefillLeg, to_params
 from kvpush.services.decode_agent.rank import DecodeRank, DecodeRankConfig
 from kvpush.services.prefill_agent.agent import PrefillAgent
@@ -124,17 +123,17 @@ def test_a_completion_whose_write_finished_first_waits_for_the_token() -> None:
 
 @pytest.mark.parametrize("on", [True, False])
 def test_prefill_posts_the_token_it_sampled_for_its_completions(on: bool) -> None:
-    from kvpush.connector import first_token_paths
+    from kvpush.connector import completion_tokens
     from kvpush.connector.prefill_scheduler import PrefillScheduler
     from tests.test_connector_units import _Req, _vllm_cfg
 
-    first_token_paths.SAMPLED_FIRST_TOKENS.forget("t-post")
+    completion_tokens.SAMPLED_FIRST_TOKENS.forget("t-post")
     cfg = ConnectorConfig(engine_id="p", role="prefill", insecure=True, first_token_on_completion=on)
     s = PrefillScheduler(cfg, _vllm_cfg())
     s._kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([4],))
     r = _Req("r1", 10, to_params(PrefillLeg("t-post", "d", first_token=True)))
     s.update_state_after_alloc(r, None, 0)
-    board = first_token_paths.SAMPLED_FIRST_TOKENS
+    board = completion_tokens.SAMPLED_FIRST_TOKENS
     s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={"r1": 10}))
     assert ("t-post" in board._tokens) is on  # expected from the step that computes its last chunk
     r.output_token_ids = [42]  # type: ignore[attr-defined]
@@ -145,38 +144,12 @@ def test_prefill_posts_the_token_it_sampled_for_its_completions(on: bool) -> Non
     board.forget("t-post")
 
 
-def test_prefill_sends_its_token_to_decode_only_where_it_knows_the_rank() -> None:
-    from kvpush.connector import first_token_paths
-    from kvpush.connector.prefill_scheduler import PrefillScheduler
-    from tests.test_connector_units import _Req, _vllm_cfg
-
-    s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill", insecure=True), _vllm_cfg())
-    s._kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([4],))
-    sent: list[tuple[str, pb.FirstToken]] = []
-    relayed: list[pb.FirstToken] = []
-    s._to_decode = SimpleNamespace(send=lambda endpoint, token: sent.append((endpoint, token)))  # type: ignore[assignment]
-    s.registration = SimpleNamespace(first_token=relayed.append)  # type: ignore[assignment]
-    for rid, tid, decode in (("r1", "t-a", "d-known"), ("r2", "t-b", "d-unknown")):
-        r = _Req(rid, 10, to_params(PrefillLeg(tid, decode, first_token=True)))
-        s.update_state_after_alloc(r, None, 0)
-        s.build_connector_meta(SimpleNamespace(num_scheduled_tokens={rid: 10}))
-        r.output_token_ids = [42]  # type: ignore[attr-defined]
-        first_token_paths.DECODE_RANKS.opened("d-known", "k", "127.0.0.1:1")
-        try:
-            s.request_finished(r)
-        finally:
-            first_token_paths.DECODE_RANKS.closed("d-known", "k")
-    want = pb.FirstToken(transfer_id="t-a", decode_engine_id="d-known", token_id=42, stopped=False)
-    assert sent == [("127.0.0.1:1", want)]  # the other decode engine's stream is not open here
-    assert [t.transfer_id for t in relayed] == ["t-a", "t-b"]  # the scheduler gets every token
-
-
 def test_prefill_forgets_a_token_it_never_sampled() -> None:
-    from kvpush.connector import first_token_paths
+    from kvpush.connector import completion_tokens
     from kvpush.connector.prefill_scheduler import PrefillScheduler
     from tests.test_connector_units import _Req, _vllm_cfg
 
-    board = first_token_paths.SAMPLED_FIRST_TOKENS
+    board = completion_tokens.SAMPLED_FIRST_TOKENS
     s = PrefillScheduler(ConnectorConfig(engine_id="p", role="prefill", insecure=True), _vllm_cfg())
     s._kv_cache_manager = SimpleNamespace(get_block_ids=lambda rid: ([4],))
     r = _Req("r1", 10, to_params(PrefillLeg("t-none", "d", first_token=True)))
@@ -197,9 +170,9 @@ def rank() -> Iterator[tuple[DecodeRank, list[tuple[str, Any]]]]:
     events: list[tuple[str, Any]] = []
     lock = threading.Lock()
 
-    def token(ft: pb.FirstToken, via: str) -> None:
+    def token(ft: pb.FirstToken) -> None:
         with lock:
-            events.append((via, ft))
+            events.append(("token", ft))
 
     def released(rel: Any) -> None:
         with lock:
@@ -235,29 +208,9 @@ def test_an_accepted_completion_hands_its_token_on_before_its_release(
     stub.Expect(pb.ExpectRequest(expectations=[_exp("t1")]), timeout=5)
     assert stub.Complete(_completion("t1"), timeout=5).released
     assert events == [
-        ("completion", pb.FirstToken(transfer_id="t1", decode_engine_id="d0", prefill_engine_id="P", token_id=9)),
+        ("token", pb.FirstToken(transfer_id="t1", decode_engine_id="d0", prefill_engine_id="P", token_id=9)),
         ("released", "t1"),
     ]
-
-
-def test_a_failing_token_taker_never_fails_the_completion() -> None:
-    released: list[str] = []
-
-    def broken(ft: pb.FirstToken, via: str) -> None:
-        raise RuntimeError("the scheduler half is gone")
-
-    cfg = DecodeRankConfig(engine_id="d0", rank=0, tp_size=1, shape=shape())
-    r = DecodeRank(
-        cfg, FakeEngine(), regions(), on_release=lambda rel: released.append(rel.transfer_id), on_first_token=broken
-    ).start()  # type: ignore[arg-type]
-    try:
-        stub = pb_grpc.DecodeRankStub(grpc.insecure_channel(r.endpoint))
-        stub.Expect(pb.ExpectRequest(expectations=[_exp("t1")]), timeout=5)
-        stub.FirstTokens(pb.FirstTokenReport(engine_id="P", first_tokens=[_token(tid="t1")]), timeout=5)
-        assert stub.Complete(_completion("t1"), timeout=5).released
-        assert released == ["t1"]
-    finally:
-        r.stop()
 
 
 def test_a_refused_or_failed_completion_hands_no_token_on(rank: tuple[DecodeRank, list[tuple[str, Any]]]) -> None:
@@ -272,67 +225,7 @@ def test_a_refused_or_failed_completion_hands_no_token_on(rank: tuple[DecodeRank
     assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert not stub.Complete(_completion("t3", ok=False), timeout=5).released  # a failed WRITE's
     assert stub.Complete(_completion("t2", token=None), timeout=5).released  # released, carried no token
-    assert [e for e in events if e[0] != "released"] == []
-
-
-def test_prefills_call_hands_on_only_tokens_of_transfers_the_rank_expects_from_it(
-    rank: tuple[DecodeRank, list[tuple[str, Any]]],
-) -> None:
-    r, events = rank
-    stub = pb_grpc.DecodeRankStub(grpc.insecure_channel(r.endpoint))
-    stub.Expect(pb.ExpectRequest(expectations=[_exp("t1"), _exp("t2")]), timeout=5)
-
-    def report(engine: str, *tokens: tuple[str, int]) -> pb.FirstTokenReport:
-        return pb.FirstTokenReport(
-            engine_id=engine, first_tokens=[pb.FirstToken(transfer_id=t, token_id=k) for t, k in tokens]
-        )
-
-    stub.FirstTokens(report("P", ("t1", 4), ("early", 5), ("x" * (limits.MAX_ID_CHARS + 1), 6)), timeout=5)
-    stub.FirstTokens(report("Q", ("t2", 7), ("early-q", 8)), timeout=5)  # t2 is expected from P, not Q
-    assert events == [
-        ("prefill_call", pb.FirstToken(transfer_id="t1", decode_engine_id="d0", prefill_engine_id="P", token_id=4))
-    ]
-    # Tokens that came before their expectation: handed on once it names the engine they came from.
-    stub.Expect(pb.ExpectRequest(expectations=[_exp("early"), _exp("early-q")]), timeout=5)
-    assert events[1:] == [
-        ("prefill_call", pb.FirstToken(transfer_id="early", decode_engine_id="d0", prefill_engine_id="P", token_id=5))
-    ]
-    assert not r._early_tokens
-    with pytest.raises(grpc.RpcError) as err:
-        stub.FirstTokens(report("P", *[("t2", 1)] * (limits.MAX_EXPECTATIONS_PER_CALL + 1)), timeout=5)
-    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert len(events) == 2
-
-
-def test_prefill_sends_its_token_straight_to_the_decode_rank(rank: tuple[DecodeRank, list[tuple[str, Any]]]) -> None:
-    """The engine thread's call (gRPC's C core), to the rank 0 endpoint the agent registered for the
-    decode engine while its stream is open."""
-    from kvpush.connector.first_token_paths import DecodeRankDirectory, DecodeTokenSender
-    from kvpush.services.common.security import Security
-
-    r, events = rank
-    pb_grpc.DecodeRankStub(grpc.insecure_channel(r.endpoint)).Expect(
-        pb.ExpectRequest(expectations=[_exp("t1")]), timeout=5
-    )
-    ranks = DecodeRankDirectory()
-    ranks.opened("d0", "stream-1", r.endpoint)
-    ranks.opened("d0", "stream-2", r.endpoint)  # a reconnect
-    ranks.closed("d0", "stream-1")  # the old stream's clean-up keeps the new one's entry
-    endpoint = ranks.endpoint("d0")
-    assert endpoint == r.endpoint
-    sender = DecodeTokenSender(Security.insecure("test-prefill"), "P", "i1")
-    arrived = threading.Event()
-    r._on_first_token = lambda ft, via: (events.append((via, ft)), arrived.set())
-    try:
-        sender.send(endpoint, pb.FirstToken(transfer_id="t1", decode_engine_id="d0", token_id=11))
-        assert arrived.wait(10)
-    finally:
-        sender.close()
-    assert events == [
-        ("prefill_call", pb.FirstToken(transfer_id="t1", decode_engine_id="d0", prefill_engine_id="P", token_id=11))
-    ]
-    ranks.closed("d0", "stream-2")
-    assert ranks.endpoint("d0") is None
+    assert [e for e in events if e[0] == "token"] == []
 
 
 # ----- decode scheduler half --------------------------------------------------------------------
@@ -344,7 +237,7 @@ def test_a_completions_token_is_appended_and_a_later_relay_changes_nothing() -> 
     s.get_num_new_matched_tokens(r, 0)
     s.update_state_after_alloc(r, _Blocks(), 37)
     assert _step(s).first_token_delivered == []
-    s._token_from_prefill(_token(token=7), "completion")
+    s._completion_token(_token(token=7))
     assert _step(s).first_token_delivered == ["r"] and r.prompt_token_ids[-1] == 7 and r.num_prompt_tokens == 38
     s._first_tokens([_token(token=7)])  # the relay's copy of it
     assert _step(s).first_token_delivered == [] and r.num_prompt_tokens == 38
@@ -359,7 +252,7 @@ def test_a_completions_token_is_taken_only_from_the_legs_prefill() -> None:
     s.get_num_new_matched_tokens(r, 0)
     s.update_state_after_alloc(r, _Blocks(), 37)
     agent.prefill = "p1"
-    s._token_from_prefill(_token(prefill="p1", token=5), "completion")
+    s._completion_token(_token(prefill="p1", token=5))
     assert _step(s).first_token_delivered == [] and r.num_prompt_tokens == 37
     s._first_tokens([_token(prefill="p0", token=6)])
     assert _step(s).first_token_delivered == ["r"] and r.prompt_token_ids[-1] == 6
@@ -367,10 +260,10 @@ def test_a_completions_token_is_taken_only_from_the_legs_prefill() -> None:
 
 def test_a_completions_token_nobody_waits_for_is_dropped() -> None:
     s, _ = _decode()
-    s._token_from_prefill(_token(tid="nobody"), "completion")
-    s._token_from_prefill(_token(token=1000), "completion")  # out of the vocabulary too
+    s._completion_token(_token(tid="nobody"))
+    s._completion_token(_token(token=1000))  # out of the vocabulary too
     assert _step(s).first_token_delivered == []
-    assert not s._tokens and s._pending_tokens == 0 and not s._prefill_inbox
+    assert not s._tokens and s._pending_tokens == 0 and not s._completion_inbox
 
 
 def test_a_completions_token_out_of_the_vocabulary_is_refused() -> None:
@@ -378,7 +271,7 @@ def test_a_completions_token_out_of_the_vocabulary_is_refused() -> None:
     r = _request("r", list(range(3, 40)), _leg())
     s.get_num_new_matched_tokens(r, 0)
     s.update_state_after_alloc(r, _Blocks(), 37)
-    s._token_from_prefill(_token(token=1000), "completion")
+    s._completion_token(_token(token=1000))
     assert _step(s).first_token_delivered == [] and "r" in s._want_token
 
 
@@ -387,17 +280,17 @@ def test_a_seeded_request_taking_a_completions_token_advances_its_sampler() -> N
     r = _request("r", list(range(3, 40)), _leg(), seed=11)
     s.get_num_new_matched_tokens(r, 0)
     s.update_state_after_alloc(r, _Blocks(), 37)
-    s._token_from_prefill(_token(), "completion")
+    s._completion_token(_token())
     _step(s)
     assert _step(s, new=("r",)).advance_sampler == ["r"]
 
 
 def test_the_inbox_reaches_a_bound_scheduler_half_only() -> None:
-    inbox = DecodeTokenInbox()
-    assert not inbox.offer(_token(), "completion")  # nobody in this process takes tokens (vLLM's mp executor)
-    got: list[tuple[pb.FirstToken, str]] = []
-    inbox.bind(lambda token, via: got.append((token, via)))
-    assert inbox.offer(_token(), "prefill_call") and got == [(_token(), "prefill_call")]
+    inbox = CompletionTokenInbox()
+    assert not inbox.offer(_token())  # nobody in this process takes tokens (vLLM's mp executor)
+    got: list[pb.FirstToken] = []
+    inbox.bind(got.append)
+    assert inbox.offer(_token()) and got == [_token()]
     inbox.bind(None)
-    assert not inbox.offer(_token(), "completion")
-    assert DECODE_TOKEN_INBOX is not inbox
+    assert not inbox.offer(_token())
+    assert COMPLETION_TOKENS is not inbox

@@ -1,0 +1,135 @@
+"""The first-token hand-off's token on the push's own completion (docs/first_token.md).
+
+Without it decode has prefill's first token only through the scheduler's relay (prefill ->
+``ReportFirstTokens`` -> scheduler -> decode's load stream). Once a push starts at the forward's
+end (``push_after_output=false``) the KV lands before that relay does, and decode waits for the
+token. So each ``Completion`` of a hand-off transfer also carries the token when the prefill
+engine has sampled it by the time the completion leaves, and decode takes it there:
+
+- prefill: the scheduler half posts the token it sampled (``SampledFirstTokens.post``, the engine
+  thread, at ``request_finished``); the rank's agent puts it in each completion it sends, waiting
+  for it (``first_token_completion_wait_ms``) when the WRITE finished before the token was posted;
+- decode: the rank hands the token of an OK completion its barrier accepted to the scheduler half
+  (``CompletionTokenInbox.offer``), before the release it may cause, so both are seen by the same
+  engine step.
+
+Both ends are process-wide and reach only within one process: vLLM's ``uni`` executor, where the
+scheduler half and the worker share the engine-core process. Under ``mp`` the worker's board stays
+empty and its inbox has no taker; completions then go without the token, and the relay (which runs
+either way) delivers it, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from kvpush.v1 import kvpush_pb2 as pb
+
+_CAPACITY = 4096  # tokens kept, for the newest transfers (oldest dropped first)
+
+
+class SampledFirstTokens:
+    """Prefill: transfer id -> the first token this process's engine sampled for it.
+
+    The scheduler half ``expect``s a hand-off transfer's token when the step that computes its
+    last prompt chunk is built (before its push can start) and ``post``s it when the request ends
+    (``forget``s it when the request ends without one). A completion whose WRITE finished before
+    the post (the push starts at the forward's end; the token is sampled and its request ended on
+    the engine thread meanwhile) ``wait``s for it, bounded. Tokens are kept for the newest
+    ``capacity`` transfers, not dropped when the transfer's blocks are freed: the agent's loop may
+    send a completion only after that (a starved loop thread on a busy core), and a completion
+    sent later than ``capacity`` transfers goes without its token, nothing worse."""
+
+    def __init__(self, capacity: int = _CAPACITY) -> None:
+        self._lock = threading.Lock()
+        self._tokens: OrderedDict[str, int | None] = OrderedDict()  # None: expected, not posted yet
+        self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[int | None]]]] = {}
+        self._capacity = capacity
+
+    def expect(self, transfer_id: str) -> None:
+        with self._lock:
+            self._put(transfer_id, self._tokens.get(transfer_id))
+
+    def post(self, transfer_id: str, token: int) -> None:
+        with self._lock:
+            self._put(transfer_id, token)
+            self._wake(transfer_id, token)
+
+    def forget(self, transfer_id: str) -> None:
+        with self._lock:
+            self._tokens.pop(transfer_id, None)
+            self._wake(transfer_id, None)
+
+    def get(self, transfer_id: str) -> int | None:
+        with self._lock:
+            return self._tokens.get(transfer_id)
+
+    async def wait(self, transfer_id: str, timeout_s: float) -> int | None:
+        """The token, once posted; None at once for a transfer nothing is expected for, or when
+        it is forgotten or ``timeout_s`` passes first."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if transfer_id not in self._tokens:
+                return None
+            token = self._tokens[transfer_id]
+            if token is not None:
+                return token
+            fut: asyncio.Future[int | None] = loop.create_future()
+            waiter = (loop, fut)
+            self._waiters.setdefault(transfer_id, []).append(waiter)
+        try:
+            return await asyncio.wait_for(fut, timeout_s)
+        except TimeoutError:
+            return None
+        finally:
+            with self._lock:
+                waiting = self._waiters.get(transfer_id)
+                if waiting is not None and waiter in waiting:
+                    waiting.remove(waiter)
+                    if not waiting:
+                        del self._waiters[transfer_id]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._tokens)
+
+    def _put(self, transfer_id: str, token: int | None) -> None:
+        self._tokens[transfer_id] = token
+        self._tokens.move_to_end(transfer_id)
+        while len(self._tokens) > self._capacity:
+            oldest, _ = self._tokens.popitem(last=False)
+            self._wake(oldest, None)
+
+    def _wake(self, transfer_id: str, token: int | None) -> None:
+        for loop, fut in self._waiters.pop(transfer_id, []):
+            loop.call_soon_threadsafe(_settle, fut, token)
+
+
+def _settle(fut: asyncio.Future[int | None], token: int | None) -> None:
+    if not fut.done():
+        fut.set_result(token)
+
+
+class CompletionTokenInbox:
+    """Decode: first tokens that came with completions, for the scheduler half of this process."""
+
+    def __init__(self) -> None:
+        self._sink: Callable[[pb.FirstToken], None] | None = None
+
+    def bind(self, sink: Callable[[pb.FirstToken], None] | None) -> None:
+        self._sink = sink
+
+    def offer(self, token: pb.FirstToken) -> bool:
+        """Hands ``token`` on; False when no scheduler half of this process takes tokens."""
+        sink = self._sink
+        if sink is None:
+            return False
+        sink(token)
+        return True
+
+
+SAMPLED_FIRST_TOKENS = SampledFirstTokens()
+COMPLETION_TOKENS = CompletionTokenInbox()
