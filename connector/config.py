@@ -84,9 +84,9 @@ class ConnectorConfig:
     first_token_wait_s: float = 30.0  # KV landed, token not come: the request fails after this
     # Prefill: true holds a hand-off transfer's push until the next engine step starts (its step's
     # output, the client's first token, is then out) instead of starting it at the forward's end,
-    # where it competes with that output for the core. Off: paired, ten runs each, the gap before
-    # the second token is 2.2 ms shorter with the push at the forward's end, for 0.9 ms of TTFT
-    # (docs/bench_phases.md, runs 58-71 and 73-80).
+    # where it competes with that output for the core. Off: paired, runs 58-86 (eight held, twelve
+    # at the forward's end), the gap before the second token is 2.1 ms shorter with the push at the
+    # forward's end, for 1.0 ms of TTFT (docs/bench_phases.md).
     push_after_output: bool = False
     # Prefill, with push_after_output: start a held push as soon as its first token has left this
     # process, if that comes before the next step (the registration and the worker share a process:

@@ -20,7 +20,7 @@ from kvpush.connector.sampler_state import WORKER_QUALNAME
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.transfer_params import DecodeLeg
 from kvpush.services.decode_agent.agent import DecodeAgent, DecodeAgentConfig
-from kvpush.services.decode_agent.metrics import FIRST_TOKENS
+from kvpush.services.decode_agent.metrics import FIRST_TOKEN_PATHS, FIRST_TOKENS
 from kvpush.services.decode_agent.reroute import Rerouter
 from kvpush.v1 import kvpush_pb2 as pb
 
@@ -254,6 +254,7 @@ class DecodeScheduler:
         if _is_seeded(want.request):
             self._advance.add(rid)
         FIRST_TOKENS.labels("appended").inc()
+        FIRST_TOKEN_PATHS.labels(via).inc()
         log.info(
             "first_token_appended", transfer_id=want.transfer_id, request_id=rid, prefill=ft.prefill_engine_id, via=via
         )

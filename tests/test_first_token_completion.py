@@ -213,6 +213,25 @@ def test_an_accepted_completion_hands_its_token_on_before_its_release(
     ]
 
 
+def test_a_failing_token_taker_never_fails_the_completion() -> None:
+    released: list[str] = []
+
+    def broken(ft: pb.FirstToken) -> None:
+        raise RuntimeError("the scheduler half is gone")
+
+    cfg = DecodeRankConfig(engine_id="d0", rank=0, tp_size=1, shape=shape())
+    r = DecodeRank(
+        cfg, FakeEngine(), regions(), on_release=lambda rel: released.append(rel.transfer_id), on_first_token=broken
+    ).start()  # type: ignore[arg-type]
+    try:
+        stub = pb_grpc.DecodeRankStub(grpc.insecure_channel(r.endpoint))
+        stub.Expect(pb.ExpectRequest(expectations=[_exp("t1")]), timeout=5)
+        assert stub.Complete(_completion("t1"), timeout=5).released
+        assert released == ["t1"]
+    finally:
+        r.stop()
+
+
 def test_a_refused_or_failed_completion_hands_no_token_on(rank: tuple[DecodeRank, list[tuple[str, Any]]]) -> None:
     r, events = rank
     stub = pb_grpc.DecodeRankStub(grpc.insecure_channel(r.endpoint))
@@ -237,8 +256,12 @@ def test_a_completions_token_is_appended_and_a_later_relay_changes_nothing() -> 
     s.get_num_new_matched_tokens(r, 0)
     s.update_state_after_alloc(r, _Blocks(), 37)
     assert _step(s).first_token_delivered == []
+    from kvpush.services.decode_agent.metrics import FIRST_TOKEN_PATHS
+
+    before = FIRST_TOKEN_PATHS.labels("completion")._value.get()
     s._completion_token(_token(token=7))
     assert _step(s).first_token_delivered == ["r"] and r.prompt_token_ids[-1] == 7 and r.num_prompt_tokens == 38
+    assert FIRST_TOKEN_PATHS.labels("completion")._value.get() == before + 1
     s._first_tokens([_token(token=7)])  # the relay's copy of it
     assert _step(s).first_token_delivered == [] and r.num_prompt_tokens == 38
     assert not s._tokens and s._pending_tokens == 0

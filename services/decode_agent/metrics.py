@@ -26,3 +26,9 @@ FIRST_TOKENS = Counter(
     "First-token hand-off: relayed tokens appended to a waiting request, or refused",
     ["outcome"],
 )
+FIRST_TOKEN_PATHS = Counter(
+    "kvpush_decode_first_token_paths_total",
+    "First-token hand-off: appended tokens by the path that delivered them first "
+    "(relay: the scheduler's; completion: with the push's completion)",
+    ["via"],
+)

@@ -342,14 +342,16 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             metrics.BYTES.inc(request.bytes_written)
             if request.HasField("first_token") and self._on_first_token is not None:
                 # The barrier accepted it: it comes from the transfer's prefill, for its epoch.
-                self._on_first_token(
-                    pb.FirstToken(
-                        transfer_id=request.transfer_id,
-                        decode_engine_id=self.config.engine_id,
-                        prefill_engine_id=request.prefill.engine_id,
-                        token_id=request.first_token,
-                    )
+                token = pb.FirstToken(
+                    transfer_id=request.transfer_id,
+                    decode_engine_id=self.config.engine_id,
+                    prefill_engine_id=request.prefill.engine_id,
+                    token_id=request.first_token,
                 )
+                try:
+                    self._on_first_token(token)
+                except Exception:  # the completion is answered as without it; the relay has it too
+                    log.exception("first_token_not_handed_on", transfer_id=request.transfer_id)
         if rel is not None:
             if rel.outcome is not Outcome.OK:
                 await self._drain()
