@@ -687,3 +687,62 @@ def test_legs_go_out_prefill_first_with_the_handoff_decode_first_without(handoff
         assert got == ([[11], [12]] if handoff else [[12]])
 
     run(body())
+
+
+@pytest.mark.parametrize("token_comes", [True, False])
+def test_a_decode_leg_that_ends_before_the_relayed_token_waits_for_it(token_comes: bool) -> None:
+    """Decode may take prefill's token from the push's completion and finish before the scheduler's
+    relay of it reaches the call (the soak saw it at 40 ms, with a prefill restarting next to it):
+    its chunks wait for the token and follow it; a token that never comes fails the call, bounded."""
+    from kvpush.services.scheduler.generate import Chunk, GenerateParams, LegError, run_legs
+    from kvpush.services.scheduler.model import AssignmentRecord, InstanceSpec, Role
+
+    decode_finished = asyncio.Event()
+
+    class Client:
+        async def prefill(self, endpoint: str, p: GenerateParams, params: dict[str, Any]) -> None:
+            return None
+
+        async def decode(
+            self, endpoint: str, p: GenerateParams, params: dict[str, Any], max_tokens: int | None = None
+        ) -> AsyncIterator[Chunk]:
+            yield Chunk([12], "")
+            yield Chunk([13], "length")
+            decode_finished.set()  # the leg's end is queued in the same step, before anything else
+
+    def spec(engine: str, role: Role) -> InstanceSpec:
+        return InstanceSpec(engine, role, "i", 1, ("127.0.0.1:1",), 100, 16, f"http://127.0.0.1:1/{engine}", (), True)
+
+    rec = AssignmentRecord("t1", 1, spec("p0", Role.PREFILL), spec("d0", Role.DECODE), 1, 0.0, first_token=True)
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        first: asyncio.Future[pb.FirstToken] = loop.create_future()
+        params = GenerateParams([1, 2, 3], 3, 0.0, True, None)
+        legs = run_legs(
+            Client(),  # type: ignore[arg-type]
+            rec,
+            params,
+            loop.create_future(),
+            first_token=first,
+            first_token_after_decode_s=WAIT_S if token_comes else 0.05,
+        )
+        got: list[list[int]] = []
+
+        async def collect() -> None:
+            async for c in legs:
+                got.append(c.token_ids)
+
+        task = asyncio.create_task(collect())
+        await asyncio.wait_for(decode_finished.wait(), WAIT_S)
+        assert got == []  # decode's chunks are held for the first token
+        if token_comes:
+            first.set_result(pb.FirstToken(transfer_id="t1", token_id=11))
+            await asyncio.wait_for(task, WAIT_S)
+            assert got == [[11], [12], [13]]
+        else:
+            with pytest.raises(LegError, match="first token did not come"):
+                await asyncio.wait_for(task, WAIT_S)
+            assert got == []
+
+    run(body())

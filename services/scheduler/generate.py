@@ -247,6 +247,10 @@ def _parse_chunk(url: str, data: bytes) -> Chunk:
         raise LegError("decode", f"{url} bad stream chunk {data[:200]!r}: {exc!r}", False) from exc
 
 
+# With the hand-off, how long a finished decode leg's chunks wait for the relay of prefill's token.
+FIRST_TOKEN_AFTER_DECODE_S = 10.0
+
+
 async def run_legs(
     client: OpenAIClient,
     rec: AssignmentRecord,
@@ -256,6 +260,7 @@ async def run_legs(
     on_prefill_failed: Callable[[str, str], object] | None = None,
     first_token: asyncio.Future[pb.FirstToken] | None = None,
     lost_stall_s: float = 0.0,
+    first_token_after_decode_s: float = FIRST_TOKEN_AFTER_DECODE_S,
 ) -> AsyncIterator[Chunk]:
     """Sends both legs at once (signed by ``signer`` when given) and yields the decode chunks. Raises
     LegError when the decode leg fails, AssignmentLost when ``lost`` resolves first. A failed prefill
@@ -267,7 +272,9 @@ async def run_legs(
 
     ``first_token`` (with ``rec.first_token``): resolves with the token prefill sampled; it is
     yielded first, the decode leg asks for one token less, and its chunks follow (a decode chunk
-    can only come after decode got the same token, but is held back until it was yielded).
+    can only come after decode got the same token, but is held back until it was yielded). Decode
+    can even finish before the relay reaches this call (it may have the token from the push's
+    completion): the held chunks then wait for the token up to ``first_token_after_decode_s``.
 
     ``lost_stall_s`` > 0: once the decode leg has streamed (its KV landed, so the request needs
     nothing more of the assignment), losing the assignment (its decode's lease ran out: a decode
@@ -318,10 +325,17 @@ async def run_legs(
     held: list[Chunk] = []  # decode chunks that came before the first token was yielded
     waiting_first = handoff
     decode_streamed = False
+    decode_done = False  # the decode leg ended while its chunks wait for the first token
     lost_while_streaming = ""
     try:
         while True:
-            if not lost_while_streaming:
+            if decode_done:
+                try:
+                    kind, value = await asyncio.wait_for(q.get(), first_token_after_decode_s)
+                except TimeoutError:
+                    why = f"the decode leg ended and prefill's first token did not come within {first_token_after_decode_s:g}s"
+                    raise LegError("decode", why, False) from None
+            elif not lost_while_streaming:
                 kind, value = await q.get()
             else:
                 try:
@@ -337,6 +351,8 @@ async def run_legs(
                 for chunk in held:
                     yield chunk
                 held.clear()
+                if decode_done:
+                    break
             elif kind == "chunk":
                 decode_streamed = True
                 if waiting_first:
@@ -344,9 +360,13 @@ async def run_legs(
                 else:
                     yield value
             elif kind == "done":
-                if waiting_first:
+                if not waiting_first:
+                    break
+                if not decode_streamed:
                     raise LegError("decode", "the decode leg ended before the first token came", False)
-                break
+                # Decode continued from prefill's token (taken from the push's completion) before the
+                # scheduler's relay of that token reached this call: it is on its way.
+                decode_done = True
             elif kind == "error":
                 if prefill_error:
                     why = f"{value.message} (after the prefill leg failed: {prefill_error[0].message})"
