@@ -22,6 +22,7 @@ either way) delivers it, as before.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -105,7 +106,9 @@ class SampledFirstTokens:
 
     def _wake(self, transfer_id: str, token: int | None) -> None:
         for loop, fut in self._waiters.pop(transfer_id, []):
-            loop.call_soon_threadsafe(_settle, fut, token)
+            # The engine thread posts: an agent loop that closed meanwhile must not raise into it.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(_settle, fut, token)
 
 
 def _settle(fut: asyncio.Future[int | None], token: int | None) -> None:

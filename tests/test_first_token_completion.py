@@ -79,6 +79,17 @@ def test_a_wait_ends_without_a_token_when_none_is_expected_forgotten_or_late() -
     assert not board._waiters
 
 
+def test_a_post_never_raises_into_the_engine_thread_for_a_closed_agent_loop() -> None:
+    board = SampledFirstTokens()
+    loop = asyncio.new_event_loop()
+    board.expect("t")
+    waiter = loop.create_future()
+    board._waiters["t"] = [(loop, waiter)]  # a send that waits while its agent's loop is stopped
+    loop.close()
+    board.post("t", 3)  # the engine thread, at request_finished: must not raise
+    assert board.get("t") == 3 and not board._waiters
+
+
 def _sent(tokens: SampledFirstTokens | None, status: int, between: Callable[[], None] = lambda: None) -> pb.Completion:
     """The completion as the agent sends it: taken by ``_deliver`` (the writer thread), then by the
     send's own wait on the agent's loop; ``between`` runs in between (the engine thread)."""
