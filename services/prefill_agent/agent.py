@@ -279,9 +279,8 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
     # ----- completions --------------------------------------------------------------------
 
     def _deliver(self, report: CompletionReport) -> None:
-        """The writer thread, before the transfer's blocks are released: a token already posted is
-        taken now (the engine forgets it once it freed those blocks, which may come before the
-        agent's loop runs the send)."""
+        """The writer thread: a token already posted is taken now (the board keeps it only for the
+        newest transfers, and the agent's loop may run the send much later on a busy core)."""
         c = report.completion
         if self._first_tokens is not None and c.status == pb.TRANSFER_STATUS_OK:
             token = self._first_tokens.get(c.transfer_id)
