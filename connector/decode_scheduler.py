@@ -235,14 +235,14 @@ class DecodeScheduler:
         want = self._want_token.get(rid) if rid is not None else None
         if want is None or rid is None:
             return  # appended already (relayed first), or not a hand-off waiting here
-        if ft.prefill_engine_id != want.leg_prefill or ft.token_id >= self._vocab:
+        if ft.token_id >= self._vocab:
             FIRST_TOKENS.labels("refused").inc()
-            log.warning(
-                "first_token_refused",
-                transfer_id=ft.transfer_id,
-                prefill=ft.prefill_engine_id,
-                reason="completion's token out of range or not from the leg's prefill",
-            )
+            log.warning("first_token_refused", transfer_id=ft.transfer_id, reason="completion's token out of range")
+            return
+        if ft.prefill_engine_id != want.leg_prefill:
+            # A rerouted transfer's new prefill: its token can differ from the streamed one, which the
+            # relay carries (expected after every reroute, so not a warning).
+            log.info("first_token_from_completion_skipped", transfer_id=ft.transfer_id, prefill=ft.prefill_engine_id)
             return
         self._append(rid, want, ft, "completion")
 
