@@ -2,7 +2,7 @@
 against one plain vLLM): with every relayed first token lost on decode (a test fault,
 tests/fault_site/sitecustomize.py ``relay_lost``), each request still continues from prefill's
 token, because the completions of its push carry it (connector/completion_tokens.py). With the push
-held for the step's output (the default) and started at the forward's end, where the completion may
+held for the step's output and started at the forward's end (the default), where the completion may
 have to wait for the token."""
 
 from __future__ import annotations

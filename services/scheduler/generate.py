@@ -329,20 +329,16 @@ async def run_legs(
     lost_while_streaming = ""
     try:
         while True:
-            if decode_done:
-                try:
-                    kind, value = await asyncio.wait_for(q.get(), first_token_after_decode_s)
-                except TimeoutError:
-                    why = f"the decode leg ended and prefill's first token did not come within {first_token_after_decode_s:g}s"
+            # Unbounded, except once decode ended without the first token or lost its assignment.
+            timeout = first_token_after_decode_s if decode_done else (lost_stall_s if lost_while_streaming else None)
+            try:
+                kind, value = await asyncio.wait_for(q.get(), timeout)
+            except TimeoutError:
+                if decode_done:
+                    why = f"the decode leg ended and prefill's first token did not come within {timeout:g}s"
                     raise LegError("decode", why, False) from None
-            elif not lost_while_streaming:
-                kind, value = await q.get()
-            else:
-                try:
-                    kind, value = await asyncio.wait_for(q.get(), lost_stall_s)
-                except TimeoutError:
-                    stalled = f"{lost_while_streaming} (and decode streamed nothing for {lost_stall_s:g}s after)"
-                    raise AssignmentLost(stalled) from None
+                stalled = f"{lost_while_streaming} (and decode streamed nothing for {timeout:g}s after)"
+                raise AssignmentLost(stalled) from None
             if kind == "first":
                 waiting_first = False
                 yield Chunk(token_ids=[int(value.token_id)], finish_reason="stop" if value.stopped else "")
