@@ -9,6 +9,8 @@ engine has sampled it by the time the completion leaves, and decode takes it the
 - prefill: the scheduler half posts the token it sampled (``SampledFirstTokens.post``, the engine
   thread, at ``request_finished``); the rank's agent puts it in each completion it sends, waiting
   for it (``first_token_completion_wait_ms``) when the WRITE finished before the token was posted;
+  the completion notices carry it too, the one the engine thread sends from the board's listener
+  right after the post included (services/prefill_agent/notices.py);
 - decode: the rank hands the token of an OK completion its barrier accepted to the scheduler half
   (``CompletionTokenInbox.offer``), before the release it may cause, so both are seen by the same
   engine step.
@@ -27,7 +29,10 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 
+from kvpush.services.common.logs import get_logger
 from kvpush.v1 import kvpush_pb2 as pb
+
+log = get_logger("kvpush.connector.tokens")
 
 _CAPACITY = 4096  # tokens kept, for the newest transfers (oldest dropped first)
 
@@ -49,6 +54,18 @@ class SampledFirstTokens:
         self._tokens: OrderedDict[str, int | None] = OrderedDict()  # None: expected, not posted yet
         self._waiters: dict[str, list[tuple[asyncio.AbstractEventLoop, asyncio.Future[int | None]]]] = {}
         self._capacity = capacity
+        self._listeners: list[Callable[[str, int], None]] = []
+
+    def add_listener(self, listener: Callable[[str, int], None]) -> None:
+        """``listener(transfer_id, token)`` runs on the posting (engine) thread after each post: it
+        must not block; what it raises is logged and dropped."""
+        with self._lock:
+            self._listeners.append(listener)
+
+    def remove_listener(self, listener: Callable[[str, int], None]) -> None:
+        with self._lock:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
 
     def expect(self, transfer_id: str) -> None:
         with self._lock:
@@ -58,6 +75,12 @@ class SampledFirstTokens:
         with self._lock:
             self._put(transfer_id, token)
             self._wake(transfer_id, token)
+            listeners = list(self._listeners)
+        for listener in listeners:
+            try:
+                listener(transfer_id, token)
+            except Exception:  # never into the engine thread
+                log.exception("first_token_listener_failed", transfer_id=transfer_id)
 
     def forget(self, transfer_id: str) -> None:
         with self._lock:
@@ -67,6 +90,11 @@ class SampledFirstTokens:
     def get(self, transfer_id: str) -> int | None:
         with self._lock:
             return self._tokens.get(transfer_id)
+
+    def pending(self, transfer_id: str) -> bool:
+        """Expected (a hand-off transfer's) and not posted yet."""
+        with self._lock:
+            return transfer_id in self._tokens and self._tokens[transfer_id] is None
 
     async def wait(self, transfer_id: str, timeout_s: float) -> int | None:
         """The token, once posted; None at once for a transfer nothing is expected for, or when

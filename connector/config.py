@@ -104,6 +104,12 @@ class ConnectorConfig:
     # ... and how long a completion whose WRITE finished before the engine posted that token waits
     # for it (the token comes at the step's end; a completion that gives up goes without it).
     first_token_completion_wait_ms: float = 5.0
+    # Both roles: an OK completion also goes ahead of its RPC as a MACed NIXL notification, from
+    # the prefill writer thread at the WRITE's end and (with the first token) from the engine
+    # thread that sampled it, so neither waits for the agent's loop on a busy prefill core
+    # (services/common/completion_notice.py). Decode mints the per-epoch key; false on either side
+    # turns them off.
+    completion_notices: bool = True
     # Prometheus: the engine-core process serves base, worker rank r serves base + 1 + r; 0: off.
     metrics_base_port: int = 0
     # Logs each request's first scheduling and its end (scheduler process) and each step's forward

@@ -134,6 +134,7 @@ class DecodeScheduler:
                 reservation_lease_ms=self.cfg.reservation_lease_ms,
                 max_reroutes=self.cfg.max_reroutes,
                 security=self.cfg.security(f"decode-agent {self.cfg.engine_id}"),
+                completion_notices=self.cfg.completion_notices,
             ),
             [pb.RankLayout.FromString(h.layout) for h in ranks],
             incarnation=engine_incarnation(ranks),

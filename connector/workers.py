@@ -216,6 +216,7 @@ class PrefillWorker:
             on_release=self._on_release,
             first_tokens=SAMPLED_FIRST_TOKENS if self.cfg.first_token_on_completion else None,
             first_token_wait_s=self.cfg.first_token_completion_wait_ms * 1e-3,
+            completion_notices=self.cfg.completion_notices,
         )
         self.agent.start()
         self.cfg.serve_metrics(1 + rank)

@@ -108,7 +108,10 @@ def test_reservation_bounds_are_rejected_and_the_stream_keeps_serving(prefill: P
     s.recv_kind("hello_ack")
     groups = pb.Reservation(transfer_id="groups", epoch=1, num_tokens=32)
     groups.block_ids.extend([pb.BlockIds(ids=[1])] * (limits.MAX_KV_GROUPS + 1))
+    short_key = reservation("short-key")
+    short_key.completion_key = b"k" * 8  # a guessable completion-notice key
     cases = [
+        short_key,
         reservation("lease", lease_ms=limits.MAX_LEASE_MS + 1),
         groups,
         reservation("ids", ids=[0] * (limits.MAX_BLOCK_IDS_PER_GROUP + 1)),
@@ -216,6 +219,9 @@ def test_decode_rank_bounds(rank: DecodeRank) -> None:
                 _exp("t" * (limits.MAX_ID_CHARS + 1)),
                 _exp("wide", ranks=list(range(limits.MAX_TP + 1))),
                 _exp("repeat", ranks=[0, 0]),
+                pb.Expectation(
+                    transfer_id="short-key", epoch=1, request_id="r", prefill_ranks=[0], completion_key=b"k" * 8
+                ),
                 _exp("a"),
                 _exp("b"),
                 _exp("c"),  # a third pending transfer: past the bound
@@ -223,7 +229,7 @@ def test_decode_rank_bounds(rank: DecodeRank) -> None:
         ),
         timeout=5,
     )
-    assert [r.code for r in resp.results] == [INVALID.value[0]] * 3 + [0, 0, EXHAUSTED.value[0]]
+    assert [r.code for r in resp.results] == [INVALID.value[0]] * 4 + [0, 0, EXHAUSTED.value[0]]
     assert rank.table.pending_count() == 2
     # The refused request is still released (as FAILED) when the agent settles it.
     stub.Settle(pb.Settlement(transfer_id="c", epoch=1, status=pb.TRANSFER_STATUS_FAILED), timeout=5)

@@ -73,7 +73,7 @@ def _next_decode_incarnation_serves(c: Cluster, tid: str, dst: int, src: int) ->
 def test_dropped_completions_are_retried_until_they_land() -> None:
     """The first completions are lost before the decode rank sees them (UNAVAILABLE): prefill
     retries with backoff, the request is released OK once, and nothing else was written."""
-    c = start_cluster(1, 1, tag="fdrop")
+    c = start_cluster(1, 1, tag="fdrop", notices=False)
     try:
         owned = [30, 31]
         c.decode.call("canary", owned)
@@ -93,7 +93,7 @@ def test_duplicate_completions_release_once() -> None:
     """A completion the rank took whose answer is lost is sent again (a duplicate), and a peer
     replays it once more by hand: the rank releases the request exactly once, answers the
     duplicates with a clear status, and keeps serving."""
-    c = start_cluster(1, 1, tag="fdup")
+    c = start_cluster(1, 1, tag="fdup", notices=False)
     try:
         owned = [40]
         c.decode.call("canary", [*owned, 41])
@@ -125,11 +125,31 @@ def test_duplicate_completions_release_once() -> None:
         c.stop()
 
 
+def test_completion_notices_release_while_every_completion_rpc_is_lost() -> None:
+    """With every Completion RPC lost before the rank sees it, each prefill rank's completion
+    notice (NIXL, MACed with the epoch's key) still releases the transfer OK, exactly once, with
+    its bytes in place and nothing else written; the RPCs are still sent (and retried)."""
+    c = start_cluster(2, 1, tag="fnotice")
+    try:
+        owned = [60, 61, 62]
+        c.decode.call("canary", owned)
+        c.decode.call("faults", {"drop_completions": 10**6})
+        _run(c, "noticed", owned, [10, 11, 12])
+        assert _wait(c, ["noticed"], timeout=20)["ranks"]["noticed"] == ("ok", "")
+        assert c.decode.call("verify", [(owned, [10, 11, 12])]) == []
+        assert c.decode.call("release_counts") == {"dreq-noticed/0": 1}
+        assert c.decode.call("canary_broken", owned) == []
+        assert c.decode.call("faults", {"drop_completions": 0}) >= 2  # both ranks' RPCs came too
+        _nothing_stranded(c)
+    finally:
+        c.stop()
+
+
 def test_completion_before_its_expectation_still_releases() -> None:
     """The decode agent's expectation reaches the rank only after the completion was refused as
     unknown (it waited ``expect_wait_s`` for it): prefill retries, and the late expectation still
     gets its completion."""
-    c = start_cluster(1, 1, tag="flate")
+    c = start_cluster(1, 1, tag="flate", notices=False)
     try:
         owned = [50, 51]
         c.decode.call("canary", owned)

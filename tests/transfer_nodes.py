@@ -344,7 +344,11 @@ class _RankFaults:
         DecodeRank.Expect = expect  # type: ignore[method-assign]
 
 
-def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int, auth: str, grace_s: float) -> None:
+def decode_node(
+    conn: Connection, engine_id: str, tp_size: int, num_blocks: int, auth: str, grace_s: float, notices: bool = True
+) -> None:
+    """``notices``: the agent mints completion-notice keys (services/common/completion_notice.py);
+    false: completions travel by RPC only."""
     _env()
     from kvpush.services.common.nixl_engine import NixlEngine
     from kvpush.services.common.transfer_params import DecodeLeg
@@ -408,7 +412,13 @@ def decode_node(conn: Connection, engine_id: str, tp_size: int, num_blocks: int,
         ranks.append(create_rank(cfg, engine, pool.regions(), on_release=on_release(d)))
     agent = DecodeAgent(
         DecodeAgentConfig(
-            engine_id=engine_id, tp_size=tp_size, shape=shape(), auth_token=auth, grace_s=grace_s, security=security
+            engine_id=engine_id,
+            tp_size=tp_size,
+            shape=shape(),
+            auth_token=auth,
+            grace_s=grace_s,
+            security=security,
+            completion_notices=notices,
         ),
         [r.layout() for r in ranks],
         on_settled=on_settled,
@@ -584,11 +594,13 @@ def start_cluster(
     tag: str = "",
     write_timeout_s: float = WRITE_TIMEOUT_S,
     tls_dir: str = "",
+    notices: bool = True,
 ) -> Cluster:
     """``tls_dir``: mutual TLS with the certificates there (for engines ``prefill<tag>`` and
-    ``decode<tag>``); empty: plaintext."""
+    ``decode<tag>``); empty: plaintext. ``notices``: completion notices on (the default) or off,
+    so a test of the Completion RPC's own path sees that path alone."""
     pe = f"prefill{tag}"
     with tls_env(tls_dir):
         prefill = [Node(prefill_node, pe, r, prefill_tp, num_blocks, auth, write_timeout_s) for r in range(prefill_tp)]
-        decode = Node(decode_node, f"decode{tag}", decode_tp, num_blocks, auth, grace_s)
+        decode = Node(decode_node, f"decode{tag}", decode_tp, num_blocks, auth, grace_s, notices)
     return Cluster(decode, prefill, pe, decode_tp, f"decode{tag}")

@@ -3,7 +3,9 @@
 No progress thread (it costs a core's worth of wake-ups on small machines): the target side
 keeps the agent progressing by calling :meth:`NixlEngine.progress` from its poller. NIXL reports
 errors (remote disconnect, bad descriptors) as exceptions; callers turn them into failed
-transfers. One engine is used from one thread at a time. Memory is registered once: a range
+transfers. Every call into the agent holds the engine's lock, so a second thread may use it too:
+the prefill engine thread sends its first-token notices with ``send_notif(blocking=False)``, which
+skips rather than waits while the writer thread is inside NIXL. Memory is registered once: a range
 already covered by an earlier registration of the same memory is skipped.
 """
 
@@ -12,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import threading
 from typing import Any
 
 import numpy as np
@@ -46,6 +49,7 @@ class NixlEngine:
         self._ranges: list[tuple[list[tuple[int, int]], str, int]] = []
         self._registrations: list[Any] = []
         self.name = name
+        self._lock = threading.RLock()  # held for every call into the agent
         self.agent = self._new_agent(name)
 
     def _new_agent(self, name: str) -> Any:
@@ -66,15 +70,16 @@ class NixlEngine:
     def register(self, ranges: list[tuple[int, int]], mem_type: str = DRAM, device_id: int = 0) -> int:
         """Registers ranges (address, length) of ``mem_type`` ("DRAM" or "VRAM" on ``device_id``)
         for remote access, skipping those already registered. Returns how many were registered."""
-        new = [(a, n) for a, n in ranges if not self.registered(a, n, mem_type, device_id)]
-        if len(new) < len(ranges):
-            log.debug("nixl_register_skipped", ranges=len(ranges) - len(new), mem_type=mem_type)
-        if not new:
-            return 0
-        descs = self.agent.get_reg_descs([(addr, length, device_id, "") for addr, length in new], mem_type)
-        self._registrations.append(self.agent.register_memory(descs))
-        self._ranges.append((new, mem_type, device_id))
-        return len(new)
+        with self._lock:
+            new = [(a, n) for a, n in ranges if not self.registered(a, n, mem_type, device_id)]
+            if len(new) < len(ranges):
+                log.debug("nixl_register_skipped", ranges=len(ranges) - len(new), mem_type=mem_type)
+            if not new:
+                return 0
+            descs = self.agent.get_reg_descs([(addr, length, device_id, "") for addr, length in new], mem_type)
+            self._registrations.append(self.agent.register_memory(descs))
+            self._ranges.append((new, mem_type, device_id))
+            return len(new)
 
     def reset(self) -> None:
         """Destroys the NIXL agent, its UCX worker and every connection with whatever is still
@@ -82,6 +87,10 @@ class NixlEngine:
         This is the only way to be sure a WRITE that NIXL could not confirm will not land later:
         releasing its handle or removing the peer leaves queued data to be delivered afterwards.
         Every peer must be added again; handles of the old agent are void."""
+        with self._lock:
+            self._reset()
+
+    def _reset(self) -> None:
         old = self.agent
         for reg in self._registrations:
             with contextlib.suppress(Exception):
@@ -98,15 +107,18 @@ class NixlEngine:
             self.register(r, mem_type, device_id)
 
     def metadata(self) -> bytes:
-        return bytes(self.agent.get_agent_metadata())
+        with self._lock:
+            return bytes(self.agent.get_agent_metadata())
 
     def add_peer(self, metadata: bytes) -> str:
-        name = self.agent.add_remote_agent(metadata)
+        with self._lock:
+            name = self.agent.add_remote_agent(metadata)
         return name.decode() if isinstance(name, bytes) else str(name)
 
     def remove_peer(self, name: str) -> None:
         try:
-            self.agent.remove_remote_agent(name)
+            with self._lock:
+                self.agent.remove_remote_agent(name)
         except Exception as exc:  # NIXL raises its own exception types
             raise NixlError(f"remove_remote_agent({name}): {exc}") from exc
 
@@ -115,14 +127,15 @@ class NixlEngine:
         memory type comes from its rows (a ``MemDescs`` from the planner; plain arrays: DRAM)."""
         handle = None
         try:
-            handle = self.agent.initialize_xfer(
-                "WRITE",
-                self.agent.get_xfer_descs(np.asarray(local), mem_type_of(local)),
-                self.agent.get_xfer_descs(np.asarray(remote), mem_type_of(remote)),
-                peer,
-                b"",
-            )
-            return handle, self.agent.transfer(handle)
+            with self._lock:
+                handle = self.agent.initialize_xfer(
+                    "WRITE",
+                    self.agent.get_xfer_descs(np.asarray(local), mem_type_of(local)),
+                    self.agent.get_xfer_descs(np.asarray(remote), mem_type_of(remote)),
+                    peer,
+                    b"",
+                )
+                return handle, self.agent.transfer(handle)
         except Exception as exc:
             if handle is not None:
                 self.release(handle)
@@ -130,30 +143,47 @@ class NixlEngine:
 
     def check(self, handle: Any) -> str:
         try:
-            return str(self.agent.check_xfer_state(handle))
+            with self._lock:
+                return str(self.agent.check_xfer_state(handle))
         except Exception as exc:
             raise NixlError(f"check_xfer_state: {type(exc).__name__}: {exc}") from exc
 
     def release(self, handle: Any) -> None:
-        with contextlib.suppress(Exception):  # releasing a failed handle may raise again
+        with self._lock, contextlib.suppress(Exception):  # releasing a failed handle may raise again
             self.agent.release_xfer_handle(handle)
 
     def cancel(self, handle: Any) -> str:
         """Releases an in-flight transfer, which makes NIXL cancel it. Returns "" when NIXL
         cancelled it, else NIXL's error (the transfer may still be running)."""
         try:
-            self.agent.release_xfer_handle(handle)
+            with self._lock:
+                self.agent.release_xfer_handle(handle)
             return ""
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
 
     def progress(self) -> dict[str, list[bytes]]:
         """Drives the agent (needed on the target for WRITEs to complete) and drains notifications."""
-        notifs: dict[str, list[bytes]] = self.agent.get_new_notifs()
+        with self._lock:
+            notifs: dict[str, list[bytes]] = self.agent.get_new_notifs()
         return notifs
 
+    def send_notif(self, peer: str, message: bytes, blocking: bool = True) -> bool:
+        """Sends a NIXL notification to ``peer``. Non-blocking: False, nothing sent, while another
+        thread is inside NIXL. Raises NixlError when NIXL refuses (peer gone, connection lost)."""
+        if not self._lock.acquire(blocking=blocking):
+            return False
+        try:
+            self.agent.send_notif(peer, message)
+            return True
+        except Exception as exc:
+            raise NixlError(f"send_notif to {peer}: {type(exc).__name__}: {exc}") from exc
+        finally:
+            self._lock.release()
+
     def close(self) -> None:
-        for reg in self._registrations:
-            with contextlib.suppress(Exception):
-                self.agent.deregister_memory(reg)
-        self._registrations.clear()
+        with self._lock:
+            for reg in self._registrations:
+                with contextlib.suppress(Exception):
+                    self.agent.deregister_memory(reg)
+            self._registrations.clear()

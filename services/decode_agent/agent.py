@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from kvpush.services.common import limits
+from kvpush.services.common import completion_notice, limits
 from kvpush.services.common.aio_thread import LoopThread
 from kvpush.services.common.grpc_util import CHANNEL_OPTIONS
 from kvpush.services.common.layout import ModelShape, engine_identity
@@ -73,6 +73,10 @@ class DecodeAgentConfig:
     # mTLS for the channels to this engine's decode ranks and to the prefill agents (with this
     # engine's decode certificate). None: plaintext (tests, logged).
     security: Security | None = None
+    # Each published epoch carries a fresh completion key, so its prefill ranks can report their
+    # WRITEs done with a MACed NIXL notification ahead of the Completion RPC
+    # (services/common/completion_notice.py); false: RPCs only.
+    completion_notices: bool = True
 
 
 class ExpectationRefused(Exception):
@@ -349,6 +353,7 @@ class DecodeAgent:
         ):
             self._fence(p, DecodeState.FAILED, "prefill endpoints or incarnations do not match its TP size")
             return
+        key = completion_notice.new_key() if self.config.completion_notices else b""
         try:
             expectations = [
                 pb.Expectation(
@@ -359,6 +364,7 @@ class DecodeAgent:
                         self.config.shape.total_kv_heads, leg.prefill_tp_size, self.config.tp_size, d
                     ),
                     prefill_engine_id=leg.prefill_engine_id,
+                    completion_key=key,
                 )
                 for d in range(self.config.tp_size)
             ]
@@ -376,6 +382,7 @@ class DecodeAgent:
                 num_tokens=p.num_tokens,
                 num_skip_blocks=p.num_skip_blocks,
                 lease_ms=self.config.reservation_lease_ms,
+                completion_key=key,
             )
         )
         incarnations = leg.prefill_rank_incarnations or [""] * len(leg.prefill_agent_endpoints)

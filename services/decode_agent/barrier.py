@@ -66,6 +66,7 @@ class CompletionBarrier:
     failed: dict[int, str] = field(default_factory=dict)
     outcome: Outcome | None = None
     released_at: float | None = None
+    notice_key: bytes = b""  # MACs this epoch's completion notices (empty: none taken)
 
     def reported(self) -> set[int]:
         return self.ok | set(self.failed)
@@ -100,6 +101,7 @@ class BarrierTable:
         prefill_ranks: list[int],
         prefill_engine_id: str,
         now: float,
+        notice_key: bytes = b"",
     ) -> None:
         try:
             self._check_expect(transfer_id, epoch, request_id, prefill_ranks)
@@ -113,7 +115,7 @@ class BarrierTable:
         if b is None or b.state is BarrierState.RELEASED:
             self._pending += 1  # else a retry of the same request replaces its open barrier
         self._barriers[transfer_id] = CompletionBarrier(
-            transfer_id, epoch, request_id, frozenset(prefill_ranks), prefill_engine_id, now
+            transfer_id, epoch, request_id, frozenset(prefill_ranks), prefill_engine_id, now, notice_key=notice_key
         )
 
     def _check_expect(self, transfer_id: str, epoch: int, request_id: str, prefill_ranks: list[int]) -> None:

@@ -32,3 +32,9 @@ FIRST_TOKEN_PATHS = Counter(
     "(relay: the scheduler's; completion: with the push's completion)",
     ["via"],
 )
+COMPLETION_NOTICES = Counter(
+    "kvpush_decode_completion_notices_total",
+    "Completion notices (NIXL notifications) by what the rank did with them: accepted (recorded a "
+    "rank's completion, or repeated one), refused (bad MAC, unknown transfer or epoch, malformed)",
+    ["outcome"],
+)

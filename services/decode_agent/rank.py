@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvpush.services.common import limits
+from kvpush.services.common import completion_notice, limits
 from kvpush.services.common.aio_thread import LoopThread
 from kvpush.services.common.grpc_util import start_aio_server
 from kvpush.services.common.handoff import Handoff
@@ -54,6 +55,8 @@ def _expectation_out_of_bounds(e: pb.Expectation) -> str | None:
         return f"prefill ranks beyond TP {limits.MAX_TP}"
     if len(set(e.prefill_ranks)) != len(e.prefill_ranks):
         return "prefill ranks repeat"
+    if not completion_notice.valid_key(e.completion_key):
+        return f"completion_key must be empty or {completion_notice.KEY_BYTES} bytes"
     return None
 
 
@@ -118,6 +121,8 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self._progress_lock = threading.Lock()  # one thread drives the NIXL agent at a time
         self._drain_lock = threading.Lock()
         self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._refusals_logged_at = -math.inf  # refused notices are logged at most once a second
+        self._refusals_unlogged = 0
         self._poller = threading.Thread(target=self._poll, name=f"kvpush-nixl-poller-{config.rank}", daemon=True)
 
     @property
@@ -196,11 +201,14 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         if not self._progress_lock.acquire(blocking=wait):
             return  # the poller is progressing right now
         try:
-            self.engine.progress()
+            notifs = self.engine.progress()
         except Exception:
             log.exception("nixl_progress_failed")
+            notifs = {}
         finally:
             self._progress_lock.release()
+        if notifs:
+            self._loop.call_soon(self._on_notices, [m for msgs in notifs.values() for m in msgs])
 
     def forward_started(self) -> None:
         """Called by the engine thread when it binds a step that runs a forward."""
@@ -275,7 +283,15 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
                 results.append(pb.ExpectResult(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=problem))
                 continue
             try:
-                self.table.expect(e.transfer_id, e.epoch, e.request_id, list(e.prefill_ranks), e.prefill_engine_id, now)
+                self.table.expect(
+                    e.transfer_id,
+                    e.epoch,
+                    e.request_id,
+                    list(e.prefill_ranks),
+                    e.prefill_engine_id,
+                    now,
+                    notice_key=e.completion_key,
+                )
                 results.append(pb.ExpectResult())
             except CompletionError as exc:
                 code = _status(exc)
@@ -298,6 +314,81 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             await asyncio.wait_for(waiter.wait(), self.config.expect_wait_s)
         if self._expected.get(transfer_id) is waiter and not waiter.is_set():
             del self._expected[transfer_id]
+
+    # ----- completion notices (NIXL notifications; services/common/completion_notice.py) -----
+
+    def _on_notices(self, raw: list[bytes]) -> None:
+        """The rank's loop: records each notice whose MAC verifies as the OK completion it
+        reports, as ``Complete`` would. A notice for a transfer this rank has no expectation of
+        yet cannot be verified and is dropped: the Completion RPC that follows every notice waits
+        for the expectation instead."""
+        for msg in raw:
+            n = completion_notice.decode(bytes(msg))
+            if isinstance(n, str):
+                self._notice_refused(n, "")
+                continue
+            b = self.table.get(n.transfer_id)
+            if b is None or b.epoch != n.epoch or not b.notice_key:
+                self._notice_refused("no expectation with notices for this transfer and epoch", n.transfer_id)
+                continue
+            if not completion_notice.verify(b.notice_key, n):
+                self._notice_refused("bad MAC", n.transfer_id)
+                continue
+            if n.decode_rank != self.config.rank:
+                self._notice_refused(f"notice for decode rank {n.decode_rank}", n.transfer_id)
+                continue
+            try:
+                rel = self.table.complete(
+                    n.transfer_id, n.epoch, n.prefill_rank, b.prefill_engine_id, True, "", time.monotonic()
+                )
+            except CompletionError as exc:
+                self._notice_refused(exc.message, n.transfer_id)
+                continue
+            metrics.COMPLETION_NOTICES.labels(outcome="accepted").inc()
+            log.debug(
+                "completion_notice_accepted",
+                transfer_id=n.transfer_id,
+                epoch=n.epoch,
+                prefill_rank=n.prefill_rank,
+                first_token=n.HasField("first_token"),
+                released=rel is not None,
+            )
+            if n.HasField("first_token"):
+                self._hand_on_first_token(n.transfer_id, b.prefill_engine_id, n.first_token)
+            if rel is not None:
+                self._released_now(rel)
+                self._update_active()
+
+    def _notice_refused(self, reason: str, transfer_id: str) -> None:
+        metrics.COMPLETION_NOTICES.labels(outcome="refused").inc()
+        now = time.monotonic()
+        if now - self._refusals_logged_at < 1.0:
+            self._refusals_unlogged += 1
+            return
+        log.warning(
+            "completion_notice_refused",
+            transfer_id=transfer_id[: limits.MAX_ID_CHARS] or None,
+            reason=reason,
+            rank=self.config.rank,
+            unlogged_before=self._refusals_unlogged or None,
+        )
+        self._refusals_logged_at, self._refusals_unlogged = now, 0
+
+    def _hand_on_first_token(self, transfer_id: str, prefill_engine_id: str, token_id: int) -> None:
+        """Gives an accepted OK completion's first token to the scheduler half, before the
+        release that completion may cause."""
+        if self._on_first_token is None:
+            return
+        token = pb.FirstToken(
+            transfer_id=transfer_id,
+            decode_engine_id=self.config.engine_id,
+            prefill_engine_id=prefill_engine_id,
+            token_id=token_id,
+        )
+        try:
+            self._on_first_token(token)
+        except Exception:  # the completion is answered as without it; the relay has it too
+            log.exception("first_token_not_handed_on", transfer_id=transfer_id)
 
     async def Complete(self, request: pb.Completion, context: grpc.aio.ServicerContext) -> pb.CompletionAck:  # noqa: N802
         not_peer = claim_problem(peer_identity(context), request.prefill.engine_id, PREFILL)
@@ -340,18 +431,9 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             await context.abort(_status(exc), exc.message)
         if request.status == pb.TRANSFER_STATUS_OK:
             metrics.BYTES.inc(request.bytes_written)
-            if request.HasField("first_token") and self._on_first_token is not None:
+            if request.HasField("first_token"):
                 # The barrier accepted it: it comes from the transfer's prefill, for its epoch.
-                token = pb.FirstToken(
-                    transfer_id=request.transfer_id,
-                    decode_engine_id=self.config.engine_id,
-                    prefill_engine_id=request.prefill.engine_id,
-                    token_id=request.first_token,
-                )
-                try:
-                    self._on_first_token(token)
-                except Exception:  # the completion is answered as without it; the relay has it too
-                    log.exception("first_token_not_handed_on", transfer_id=request.transfer_id)
+                self._hand_on_first_token(request.transfer_id, request.prefill.engine_id, request.first_token)
         if rel is not None:
             if rel.outcome is not Outcome.OK:
                 await self._drain()

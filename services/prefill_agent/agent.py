@@ -19,7 +19,7 @@ from typing import Protocol
 
 import grpc
 
-from kvpush.services.common import limits
+from kvpush.services.common import completion_notice, limits
 from kvpush.services.common.aio_thread import LoopThread
 from kvpush.services.common.grpc_util import CHANNEL_OPTIONS, start_aio_server
 from kvpush.services.common.handoff import Handoff
@@ -35,6 +35,7 @@ from kvpush.services.common.security import (
     peer_identity,
 )
 from kvpush.services.common.tp import TopologyError, head_slices
+from kvpush.services.prefill_agent.notices import CompletionNotices
 from kvpush.services.prefill_agent.table import PrefillDone, ReleaseBlocks, Reservation, TransferTable
 from kvpush.services.prefill_agent.writer import CompletionReport, PeerSession, PushWriter
 from kvpush.v1 import kvpush_pb2 as pb
@@ -76,11 +77,18 @@ class PrefillAgentConfig:
 
 
 class FirstTokenSource(Protocol):
-    """The first tokens this prefill engine sampled for hand-off transfers, by transfer id."""
+    """The first tokens this prefill engine sampled for hand-off transfers, by transfer id
+    (connector/completion_tokens.py's ``SampledFirstTokens``)."""
 
     def get(self, transfer_id: str) -> int | None: ...
 
+    def pending(self, transfer_id: str) -> bool: ...
+
     async def wait(self, transfer_id: str, timeout_s: float) -> int | None: ...
+
+    def add_listener(self, listener: Callable[[str, int], None]) -> None: ...
+
+    def remove_listener(self, listener: Callable[[str, int], None]) -> None: ...
 
 
 class _Outbox:
@@ -143,6 +151,8 @@ def _reservation_out_of_bounds(r: pb.Reservation) -> str | None:
         return f"num_skip_blocks above {limits.MAX_BLOCK_IDS_PER_GROUP}"
     if r.lease_ms > limits.MAX_LEASE_MS:
         return f"lease_ms above {limits.MAX_LEASE_MS}"
+    if not completion_notice.valid_key(r.completion_key):
+        return f"completion_key must be empty or {completion_notice.KEY_BYTES} bytes"
     return None
 
 
@@ -156,10 +166,13 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         on_release: Callable[[ReleaseBlocks], None] | None = None,
         first_tokens: FirstTokenSource | None = None,
         first_token_wait_s: float = 0.0,
+        completion_notices: bool = True,
     ) -> None:
         """``first_tokens``: the first tokens this engine sampled for hand-off transfers; an OK
         completion carries its transfer's, waiting up to ``first_token_wait_s`` for it when the
-        WRITE finished first (connector/completion_tokens.py)."""
+        WRITE finished first (connector/completion_tokens.py). ``completion_notices``: each OK
+        completion is also sent ahead as a NIXL notification when its reservation carries a key
+        (notices.py); its first token goes in it, or after it from the engine thread."""
         self.config = config
         self.security = config.security or Security.insecure(f"prefill-agent {config.engine_id}/{config.rank}")
         self.identity = engine_identity(config.engine_id, pb.ROLE_PREFILL, config.tp_size, config.shape, incarnation)
@@ -173,6 +186,9 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
         self._server: grpc.aio.Server | None = None
         self.port = 0
+        self.notices = CompletionNotices(engine, config.rank, first_tokens) if completion_notices else None
+        if self.notices is not None and first_tokens is not None:
+            first_tokens.add_listener(self.notices.token_posted)
         self.writer = PushWriter(
             rank=config.rank,
             tp_size=config.tp_size,
@@ -190,6 +206,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
             # Decode declares a stream lost after two silent leases; until then a late Pong
             # renews the lease and the held transfer is written.
             lease_hold_s=2 * config.lease_s,
+            notices=self.notices,
         )
 
     # ----- lifecycle ----------------------------------------------------------------------
@@ -217,6 +234,8 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         )
 
     def stop(self, grace_s: float = 1.0) -> None:
+        if self.notices is not None and self._first_tokens is not None:
+            self._first_tokens.remove_listener(self.notices.token_posted)
         if self._server is not None:
             self._loop.run(self._stop_server(grace_s), timeout=grace_s + 5)
         self._loop.stop()
@@ -548,5 +567,6 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
                 num_skip_blocks=r.num_skip_blocks,
                 lease_s=lease_s,
                 decode_engine=session.identity.engine_id,
+                notice_key=r.completion_key,
             )
         )

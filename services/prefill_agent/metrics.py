@@ -29,3 +29,9 @@ WRITES_HELD = Counter(
 TEARDOWNS = Counter(
     "kvpush_prefill_teardowns_total", "Decode peers whose NIXL connection was torn down because a WRITE did not end"
 )
+COMPLETION_NOTICES = Counter(
+    "kvpush_prefill_completion_notices_total",
+    "Completion notices sent as NIXL notifications, by sender (writer: at the WRITE's end; "
+    "engine: with the first token) and result (sent; busy: NIXL was in use, left to the RPC; failed)",
+    ["sender", "result"],
+)

@@ -45,6 +45,7 @@ class Reservation:
     num_skip_blocks: int
     lease_s: float
     decode_engine: str  # engine id of that stream's (authenticated) Hello
+    notice_key: bytes = b""  # MACs this epoch's completion notices (empty: send none)
 
     @property
     def key(self) -> Key:

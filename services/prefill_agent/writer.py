@@ -25,6 +25,7 @@ from kvpush.services.common.nixl_engine import NixlEngine, NixlError
 from kvpush.services.common.refusal import RefusalCode
 from kvpush.services.common.tp import HeadSlice, slices_from_prefill_rank
 from kvpush.services.prefill_agent import metrics
+from kvpush.services.prefill_agent.notices import CompletionNotices, NoticeTarget
 from kvpush.services.prefill_agent.plan import PlanError, WritePlan, check_block_ids, plan_writes
 from kvpush.services.prefill_agent.table import (
     AckCancel,
@@ -158,10 +159,12 @@ class PushWriter:
         write_timeout_s: float = 30.0,
         lease_hold_s: float = 4.0,
         clock: Callable[[], float] = time.monotonic,
+        notices: CompletionNotices | None = None,
     ) -> None:
         """``lease_hold_s``: how long a transfer whose KV is ready waits for the decode stream to
         renew an expired write lease before it is refused (the agent passes two leases: by then
-        decode has declared the stream lost and fences the blocks)."""
+        decode has declared the stream lost and fences the blocks). ``notices``: sends each OK
+        completion ahead of its RPC as a NIXL notification (notices.py)."""
         self.rank = rank
         self.tp_size = tp_size
         self.identity = identity
@@ -173,6 +176,7 @@ class PushWriter:
         self.write_timeout_s = write_timeout_s
         self.lease_hold_s = lease_hold_s
         self.clock = clock
+        self.notices = notices
         self._sessions: dict[str, PeerSession] = {}
         self._in_flight: list[_Write] = []
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -567,6 +571,18 @@ class PushWriter:
         metrics.DESCRIPTORS.observe(total_desc)
         if ok:
             metrics.BYTES.inc(total_bytes)
+        if self.notices is not None and res.notice_key:
+            # Ahead of the RPCs: from this thread, now, not from the agent's loop once it runs.
+            self.notices.written(
+                tid,
+                res.epoch,
+                res.notice_key,
+                [
+                    NoticeTarget(d, session.nixl_names[d])
+                    for d, (rank_ok, _, _) in sorted(results.items())
+                    if rank_ok and d in session.nixl_names
+                ],
+            )
         for decode_rank, (rank_ok, reason, plan) in sorted(results.items()):
             self.deliver(
                 CompletionReport(

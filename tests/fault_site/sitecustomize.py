@@ -9,7 +9,11 @@ carried by a completion): vLLM then schedules hand-off requests before their tok
 the connector's veto exists for (``PushMetadata.veto_blocks``).
 
 ``relay_lost``: a decode engine's scheduler half drops every relayed first token; only the tokens
-the completions carry reach it (connector/completion_tokens.py)."""
+the completions carry reach it (connector/completion_tokens.py).
+
+``relay_and_completion_rpcs_lost``: as ``relay_lost``, and the decode ranks also lose every
+``Complete`` RPC before they see it (UNAVAILABLE): only the completion notices, NIXL notifications
+(services/common/completion_notice.py), release the KV and bring prefill's token."""
 
 from __future__ import annotations
 
@@ -43,12 +47,25 @@ def _patch_decode_scheduler(mod: ModuleType) -> None:
     mod.DecodeScheduler._completion_token = lambda self, token: None  # ... and every carried one
 
 
+def _patch_rank(mod: ModuleType) -> None:
+    import grpc
+
+    async def complete(self: Any, request: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "test fault: completion lost")
+
+    mod.DecodeRank.Complete = complete
+
+
 PATCHES = {
     "handoff_release_early": {
         "kvpush.connector.workers": _patch_workers,
         "kvpush.connector.decode_scheduler": _patch_decode_scheduler,
     },
     "relay_lost": {"kvpush.connector.decode_scheduler": _patch_relay},
+    "relay_and_completion_rpcs_lost": {
+        "kvpush.connector.decode_scheduler": _patch_relay,
+        "kvpush.services.decode_agent.rank": _patch_rank,
+    },
 }
 
 

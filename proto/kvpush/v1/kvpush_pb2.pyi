@@ -548,6 +548,7 @@ class Reservation(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_SKIP_BLOCKS_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    COMPLETION_KEY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     epoch: _builtins.int
     num_tokens: _builtins.int
@@ -556,6 +557,10 @@ class Reservation(_message.Message):
     """leading blocks decode already holds (prefix hit)"""
     lease_ms: _builtins.int
     """how long prefill keeps an unmatched reservation"""
+    completion_key: _builtins.bytes
+    """Per (transfer, epoch) secret for CompletionNotice MACs (32 random bytes; empty: no notices).
+    Only this stream's prefill engine and the decode ranks (in their Expectation) learn it.
+    """
     @_builtins.property
     def block_ids(self) -> _containers.RepeatedCompositeFieldContainer[Global___BlockIds]:
         """decode block ids per KV-cache group, to be written"""
@@ -569,10 +574,11 @@ class Reservation(_message.Message):
         num_tokens: _builtins.int = ...,
         num_skip_blocks: _builtins.int = ...,
         lease_ms: _builtins.int = ...,
+        completion_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "epoch", b"epoch", "lease_ms", b"lease_ms", "num_skip_blocks", b"num_skip_blocks", "num_tokens", b"num_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "completion_key", b"completion_key", "epoch", b"epoch", "lease_ms", b"lease_ms", "num_skip_blocks", b"num_skip_blocks", "num_tokens", b"num_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -770,11 +776,14 @@ class Expectation(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     PREFILL_RANKS_FIELD_NUMBER: _builtins.int
     PREFILL_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    COMPLETION_KEY_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     epoch: _builtins.int
     request_id: _builtins.str
     """the decode engine's own request id"""
     prefill_engine_id: _builtins.str
+    completion_key: _builtins.bytes
+    """the key the reservation carries to prefill (empty: no notices)"""
     @_builtins.property
     def prefill_ranks(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """prefill ranks that will write into this rank"""
@@ -787,14 +796,60 @@ class Expectation(_message.Message):
         request_id: _builtins.str = ...,
         prefill_ranks: _abc.Iterable[_builtins.int] | None = ...,
         prefill_engine_id: _builtins.str = ...,
+        completion_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "prefill_engine_id", b"prefill_engine_id", "prefill_ranks", b"prefill_ranks", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_key", b"completion_key", "epoch", b"epoch", "prefill_engine_id", b"prefill_engine_id", "prefill_ranks", b"prefill_ranks", "request_id", b"request_id", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Expectation: _TypeAlias = Expectation  # noqa: Y015
+
+@_typing.final
+class CompletionNotice(_message.Message):
+    """A prefill rank's OK completion sent as a NIXL notification right after its WRITE completed
+    (the writer thread) or once the engine sampled the first token (the engine thread), instead of
+    waiting for the agent's loop and a gRPC call on a busy prefill core. Travels as the bytes
+    "kvpush-notice-v1:" + this message; decode takes it only when ``mac`` (HMAC-SHA256 over the
+    fields, services/common/completion_notice.py) verifies with the completion_key of the
+    transfer's current epoch. The Completion RPC is still sent: a notice is a head start, never
+    the only word, and it never reports a failure.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PREFILL_RANK_FIELD_NUMBER: _builtins.int
+    DECODE_RANK_FIELD_NUMBER: _builtins.int
+    FIRST_TOKEN_FIELD_NUMBER: _builtins.int
+    MAC_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    epoch: _builtins.int
+    prefill_rank: _builtins.int
+    decode_rank: _builtins.int
+    first_token: _builtins.int
+    mac: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        prefill_rank: _builtins.int = ...,
+        decode_rank: _builtins.int = ...,
+        first_token: _builtins.int | None = ...,
+        mac: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_first_token", b"_first_token", "first_token", b"first_token"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_first_token", b"_first_token", "decode_rank", b"decode_rank", "epoch", b"epoch", "first_token", b"first_token", "mac", b"mac", "prefill_rank", b"prefill_rank", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__first_token: _TypeAlias = _typing.Literal["first_token"]  # noqa: Y015
+    _WhichOneofArgType__first_token: _TypeAlias = _typing.Literal["_first_token", b"_first_token"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__first_token) -> _WhichOneofReturnType__first_token | None: ...
+
+Global___CompletionNotice: _TypeAlias = CompletionNotice  # noqa: Y015
 
 @_typing.final
 class ExpectRequest(_message.Message):
