@@ -122,6 +122,8 @@ class DecodeWorker:
                 self._ready.append(held[0])
         self._fail_now.extend(meta.fail_loads)
         self._veto_blocks.update(meta.veto_blocks)
+        if self.rank is not None:
+            self.rank.awaiting_first_tokens(bool(self._needs_token))
         for rid in meta.advance_sampler:
             if not sampler_state.advance_one_step(rid):
                 log.warning("sampler_not_advanced", request_id=rid)
@@ -160,6 +162,7 @@ class DecodeWorker:
                     self._needs_token.discard(rid)
                     log.warning("first_token_timeout", request_id=rid, transfer_id=rel.transfer_id)
                     self._report(out, rel, False)
+            self.rank.awaiting_first_tokens(bool(self._needs_token))
         return out
 
     @staticmethod

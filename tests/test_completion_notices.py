@@ -347,3 +347,21 @@ def test_owed_tokens_are_bounded_and_a_raising_listener_never_reaches_the_poster
     board.add_listener(broken)
     board.post("t4", 1)  # does not raise
     assert board.get("t4") == 1
+
+
+def test_nixl_is_progressed_at_the_expecting_cadence_while_a_first_token_is_awaited(rank: _Rank) -> None:
+    """A hand-off's KV can be released by the writer's notice before the engine sampled the token,
+    which then comes in a notice of its own: the poller must not drop to its idle nap meanwhile."""
+    r = rank.rank
+    assert not r._active.is_set()  # nothing expected: idle naps
+    r.awaiting_first_tokens(True)
+    assert r._active.is_set()
+    key = cn.new_key()
+    assert rank.expect("t1", key).code == 0
+    rank.notify(cn.encode(key, "t1", 1, 0, 0))  # the writer's notice: KV released, no token
+    assert rank.wait(lambda: rank.released() == ["t1"])
+    assert r._active.is_set()  # the barrier is gone, the token is still awaited
+    rank.notify(cn.encode(key, "t1", 1, 0, 0, 31))  # the engine thread's, with the token
+    assert rank.wait(lambda: ("token", ("t1", "P", 31)) in rank.events)
+    r.awaiting_first_tokens(False)
+    assert not r._active.is_set()

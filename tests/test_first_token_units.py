@@ -458,6 +458,10 @@ class _Rank:
     def __init__(self) -> None:
         self.released: list[Released] = []
         self.cadence = PollCadence()
+        self.tokens_awaited = False
+
+    def awaiting_first_tokens(self, awaited: bool) -> None:
+        self.tokens_awaited = awaited
 
     def forward_started(self) -> None:
         self.cadence.forward_started()
@@ -490,6 +494,7 @@ def _released(rid: str, outcome: Outcome = Outcome.OK) -> Released:
 def test_worker_releases_a_landed_transfer_only_with_its_token() -> None:
     w, rank = _worker()
     w.wait_for_save(_meta(awaiting_first_token=["a", "b"]))
+    assert rank.tokens_awaited  # the rank keeps NIXL progressing for the tokens' notices
     rank.released = [_released("a"), _released("b"), _released("c")]
     out = w.transfer_results()
     assert out.finished_recving == {"c"}  # a and b wait for their tokens
@@ -505,6 +510,7 @@ def test_worker_releases_a_landed_transfer_only_with_its_token() -> None:
     w.wait_for_save(_meta(first_token_abandoned=["b"]))
     out = w.transfer_results()
     assert out.finished_recving == {"b"} and not out.failed_recving
+    assert not rank.tokens_awaited  # no request waits for a token any more
 
 
 def test_worker_fails_a_transfer_whose_token_never_came() -> None:
@@ -514,7 +520,7 @@ def test_worker_fails_a_transfer_whose_token_never_came() -> None:
     assert w.transfer_results().finished_recving == set()  # held until the deadline passes
     out = w.transfer_results()
     assert out.finished_recving == {"a"} and out.failed_recving == {"a"}
-    assert not w._held and not w._needs_token
+    assert not w._held and not w._needs_token and not rank.tokens_awaited
 
 
 def test_worker_reports_a_failed_load_at_once_even_without_its_token() -> None:

@@ -113,7 +113,9 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self._loop = LoopThread(f"kvpush-decode-rank-{config.rank}")
         self._server: grpc.aio.Server | None = None
         self.port = 0
-        self._active = threading.Event()  # set while any barrier waits
+        self._active = threading.Event()  # set while any barrier waits, or a first token
+        self._active_lock = threading.Lock()  # set or cleared from fresh reads, one thread at a time
+        self._tokens_awaited = False
         self.cadence = PollCadence(config.poll_interval_s, config.busy_poll_s, config.idle_poll_s)
         self._expected: dict[str, asyncio.Event] = {}  # completions waiting for their expectation
         self._next_expiry = 0.0
@@ -234,11 +236,21 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         except TimeoutError:
             log.error("nixl_drain_timeout", rank=self.config.rank)
 
+    def awaiting_first_tokens(self, awaited: bool) -> None:
+        """The engine thread: whether a request of this engine waits for its first token. Its
+        KV may be released by the writer's completion notice before the engine sampled that
+        token, which then comes in a notice of its own: NIXL is progressed at the expecting
+        cadence until it is in, as while a barrier waits (cadence.py)."""
+        if awaited != self._tokens_awaited:
+            self._tokens_awaited = awaited
+            self._update_active()
+
     def _update_active(self) -> None:
-        if self.table.pending_count() or self._drain_waiters:
-            self._active.set()
-        else:
-            self._active.clear()
+        with self._active_lock:  # each caller reads the state after the change it reports
+            if self.table.pending_count() or self._drain_waiters or self._tokens_awaited:
+                self._active.set()
+            else:
+                self._active.clear()
 
     # ----- releases ----------------------------------------------------------------------
 
