@@ -43,8 +43,8 @@ def _until(cond: Callable[[], bool], timeout: float = WAIT_S, pump: NixlEngine |
     return True
 
 
-def _refused() -> float:
-    return decode_metrics.COMPLETION_NOTICES.labels(outcome="refused")._value.get()
+def _refused(outcome: str = "refused") -> float:
+    return decode_metrics.COMPLETION_NOTICES.labels(outcome=outcome)._value.get()
 
 
 def _accepted() -> float:
@@ -185,21 +185,23 @@ def test_forged_stale_and_misdirected_notices_release_nothing_and_the_rank_keeps
     assert rank.expect("t1", old_key, epoch=1).code == 0
     assert rank.expect("t1", key, epoch=2).code == 0  # a retry's newer epoch replaces it, with its own key
     assert rank.expect("plain", b"").code == 0  # an expectation without a key takes no notices
-    forged = [
+    refused = [
         cn.encode(cn.new_key(), "t1", 2, 0, 0, 5),  # somebody without the key
-        cn.encode(old_key, "t1", 1, 0, 0, 5),  # the superseded epoch's prefill, with its own key
-        cn.encode(old_key, "t1", 2, 0, 0, 5),  # ... claiming the new epoch
+        cn.encode(old_key, "t1", 2, 0, 0, 5),  # the superseded epoch's prefill, claiming the new epoch
         cn.encode(key, "t1", 2, 0, 1, 5),  # meant for another decode rank
         cn.encode(key, "t1", 2, 3, 0, 5),  # a prefill rank that does not write it
-        cn.encode(cn.new_key(), "plain", 1, 0, 0, 5),
-        cn.encode(key, "nobody-expects-it", 1, 0, 0, 5),
         b"x" * 4096,
         cn.PREFIX + b"\x0a\xff",
     ]
-    refused = _refused()
-    for raw in forged:
+    unknown = [  # nothing to check a MAC against: dropped as unknown
+        cn.encode(old_key, "t1", 1, 0, 0, 5),  # the superseded epoch's prefill, with its own key
+        cn.encode(cn.new_key(), "plain", 1, 0, 0, 5),
+        cn.encode(key, "nobody-expects-it", 1, 0, 0, 5),
+    ]
+    before = _refused(), _refused("unknown")
+    for raw in refused + unknown:
         rank.notify(raw)
-    assert rank.wait(lambda: _refused() == refused + len(forged))
+    assert rank.wait(lambda: (_refused(), _refused("unknown")) == (before[0] + len(refused), before[1] + len(unknown)))
     assert rank.events == []  # nothing released, no token handed on
     assert rank.rank.table.get("t1").ok == set()  # type: ignore[union-attr]
     rank.notify(cn.encode(key, "t1", 2, 0, 0, 6))
@@ -222,9 +224,9 @@ def test_a_replayed_notice_changes_nothing(rank: _Rank) -> None:
 
 def test_a_notice_before_its_expectation_is_dropped_and_the_rpc_still_completes(rank: _Rank) -> None:
     key = cn.new_key()
-    refused = _refused()
+    unknown = _refused("unknown")
     rank.notify(cn.encode(key, "early", 1, 0, 0))
-    assert rank.wait(lambda: _refused() == refused + 1)
+    assert rank.wait(lambda: _refused("unknown") == unknown + 1)
     assert rank.expect("early", key).code == 0
     c = pb.Completion(
         transfer_id="early",
@@ -365,3 +367,31 @@ def test_nixl_is_progressed_at_the_expecting_cadence_while_a_first_token_is_awai
     assert rank.wait(lambda: ("token", ("t1", "P", 31)) in rank.events)
     r.awaiting_first_tokens(False)
     assert not r._active.is_set()
+
+
+def test_a_notice_and_its_rpc_racing_release_the_transfer_once(rank: _Rank) -> None:
+    """The notice is taken on the thread that drained it, the RPC on the rank's loop: one barrier
+    change at a time, so however they interleave each transfer is released exactly once."""
+    keys = {f"race-{i}": cn.new_key() for i in range(40)}
+    for tid, key in keys.items():
+        assert rank.expect(tid, key).code == 0
+
+    def rpcs() -> None:
+        for tid in keys:
+            c = pb.Completion(
+                transfer_id=tid,
+                epoch=1,
+                prefill_rank=0,
+                decode_rank=0,
+                status=pb.TRANSFER_STATUS_OK,
+                prefill=pb.EngineIdentity(engine_id="P"),
+            )
+            rank.stub.Complete(c, timeout=WAIT_S)
+
+    t = threading.Thread(target=rpcs)
+    t.start()
+    for tid, key in keys.items():
+        rank.notify(cn.encode(key, tid, 1, 0, 0))
+    t.join(WAIT_S)
+    assert rank.wait(lambda: sorted(rank.released()) == sorted(keys))
+    assert rank.rank.table.pending_count() == 0

@@ -35,6 +35,7 @@ FIRST_TOKEN_PATHS = Counter(
 COMPLETION_NOTICES = Counter(
     "kvpush_decode_completion_notices_total",
     "Completion notices (NIXL notifications) by what the rank did with them: accepted (recorded a "
-    "rank's completion, or repeated one), refused (bad MAC, unknown transfer or epoch, malformed)",
+    "rank's completion, or repeated one); unknown (no expectation with a key for its transfer and "
+    "epoch: forged, early or late, the RPC decides); refused (malformed, bad MAC, misdirected)",
     ["outcome"],
 )

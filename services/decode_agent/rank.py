@@ -26,6 +26,7 @@ from kvpush.services.common.handoff import Handoff
 from kvpush.services.common.layout import ModelShape, RankRegions, layout_message, register_spans
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.nixl_engine import NixlEngine
+from kvpush.services.common.refusal import RefusalCode
 from kvpush.services.common.security import DECODE_RANK_POLICY, PREFILL, Security, claim_problem, peer_identity
 from kvpush.services.decode_agent import metrics
 from kvpush.services.decode_agent.barrier import BarrierTable, CompletionError, Outcome, Released
@@ -115,6 +116,9 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self.port = 0
         self._active = threading.Event()  # set while any barrier waits, or a first token
         self._active_lock = threading.Lock()  # set or cleared from fresh reads, one thread at a time
+        # The barrier table changes on the rank's loop (Expect, Complete, Settle) and on the thread
+        # that drained completion notices: one change at a time.
+        self._table_lock = threading.Lock()
         self._tokens_awaited = False
         self.cadence = PollCadence(config.poll_interval_s, config.busy_poll_s, config.idle_poll_s)
         self._expected: dict[str, asyncio.Event] = {}  # completions waiting for their expectation
@@ -123,6 +127,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self._progress_lock = threading.Lock()  # one thread drives the NIXL agent at a time
         self._drain_lock = threading.Lock()
         self._drain_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._refusal_log_lock = threading.Lock()
         self._refusals_logged_at = -math.inf  # refused notices are logged at most once a second
         self._refusals_unlogged = 0
         self._poller = threading.Thread(target=self._poll, name=f"kvpush-nixl-poller-{config.rank}", daemon=True)
@@ -210,7 +215,9 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         finally:
             self._progress_lock.release()
         if notifs:
-            self._loop.call_soon(self._on_notices, [m for msgs in notifs.values() for m in msgs])
+            # Taken here, on the thread that drained them (the poller, or the engine thread at a
+            # step's end): a hop to the rank's loop thread cost up to 2 ms on a busy core.
+            self._on_notices([m for msgs in notifs.values() for m in msgs])
 
     def forward_started(self) -> None:
         """Called by the engine thread when it binds a step that runs a forward."""
@@ -285,7 +292,8 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             )
         now = time.monotonic()
         if now >= self._next_expiry:
-            self.table.expire(now)
+            with self._table_lock:
+                self.table.expire(now)
             self._next_expiry = now + 1.0
         results = []
         for e in request.expectations:
@@ -295,15 +303,16 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
                 results.append(pb.ExpectResult(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message=problem))
                 continue
             try:
-                self.table.expect(
-                    e.transfer_id,
-                    e.epoch,
-                    e.request_id,
-                    list(e.prefill_ranks),
-                    e.prefill_engine_id,
-                    now,
-                    notice_key=e.completion_key,
-                )
+                with self._table_lock:
+                    self.table.expect(
+                        e.transfer_id,
+                        e.epoch,
+                        e.request_id,
+                        list(e.prefill_ranks),
+                        e.prefill_engine_id,
+                        now,
+                        notice_key=e.completion_key,
+                    )
                 results.append(pb.ExpectResult())
             except CompletionError as exc:
                 code = _status(exc)
@@ -330,31 +339,37 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
     # ----- completion notices (NIXL notifications; services/common/completion_notice.py) -----
 
     def _on_notices(self, raw: list[bytes]) -> None:
-        """The rank's loop: records each notice whose MAC verifies as the OK completion it
-        reports, as ``Complete`` would. A notice for a transfer this rank has no expectation of
-        yet cannot be verified and is dropped: the Completion RPC that follows every notice waits
-        for the expectation instead."""
+        """The thread that drained them (the poller, or the engine thread at a step's end): records
+        each notice whose MAC verifies as the OK completion it reports, as ``Complete`` would. One
+        for a transfer this rank expects no notices for cannot be verified and is dropped; when it
+        overtook its expectation, the Completion RPC that follows every notice waits for it."""
         for msg in raw:
             n = completion_notice.decode(bytes(msg))
             if isinstance(n, str):
-                self._notice_refused(n, "")
+                self._notice_refused(n, None)
                 continue
-            b = self.table.get(n.transfer_id)
-            if b is None or b.epoch != n.epoch or not b.notice_key:
-                self._notice_refused("no expectation with notices for this transfer and epoch", n.transfer_id)
-                continue
-            if not completion_notice.verify(b.notice_key, n):
-                self._notice_refused("bad MAC", n.transfer_id)
-                continue
-            if n.decode_rank != self.config.rank:
-                self._notice_refused(f"notice for decode rank {n.decode_rank}", n.transfer_id)
-                continue
-            try:
-                rel = self.table.complete(
-                    n.transfer_id, n.epoch, n.prefill_rank, b.prefill_engine_id, True, "", time.monotonic()
-                )
-            except CompletionError as exc:
-                self._notice_refused(exc.message, n.transfer_id)
+            prefill_engine_id = ""
+            with self._table_lock:
+                b = self.table.get(n.transfer_id)
+                if b is None or b.epoch != n.epoch or not b.notice_key:
+                    problem, outcome = "no expectation with notices for this transfer and epoch", "unknown"
+                elif not completion_notice.verify(b.notice_key, n):
+                    problem, outcome = "bad MAC", "refused"
+                elif n.decode_rank != self.config.rank:
+                    problem, outcome = f"notice for decode rank {n.decode_rank}", "refused"
+                else:
+                    prefill_engine_id = b.prefill_engine_id
+                    try:
+                        rel = self.table.complete(
+                            n.transfer_id, n.epoch, n.prefill_rank, prefill_engine_id, True, "", time.monotonic()
+                        )
+                        problem, outcome = "", "accepted"
+                    except CompletionError as exc:
+                        # Authentic: a prefill rank the expectation does not list, or a settled epoch.
+                        problem = exc.message
+                        outcome = "refused" if exc.code is RefusalCode.INVALID_ARGUMENT else "unknown"
+            if problem:
+                self._notice_refused(problem, n, outcome)
                 continue
             metrics.COMPLETION_NOTICES.labels(outcome="accepted").inc()
             log.debug(
@@ -366,25 +381,34 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
                 released=rel is not None,
             )
             if n.HasField("first_token"):
-                self._hand_on_first_token(n.transfer_id, b.prefill_engine_id, n.first_token)
+                self._hand_on_first_token(n.transfer_id, prefill_engine_id, n.first_token)
             if rel is not None:
                 self._released_now(rel)
                 self._update_active()
 
-    def _notice_refused(self, reason: str, transfer_id: str) -> None:
-        metrics.COMPLETION_NOTICES.labels(outcome="refused").inc()
-        now = time.monotonic()
-        if now - self._refusals_logged_at < 1.0:
-            self._refusals_unlogged += 1
+    def _notice_refused(self, reason: str, n: pb.CompletionNotice | None, outcome: str = "refused") -> None:
+        """Counts a notice not taken. ``unknown``: nothing to verify it against (logged at debug: a
+        notice can overtake its expectation, or come after a cancel settled its epoch);
+        ``refused``: malformed, forged or misdirected, logged as a warning at most once a second,
+        with how many were not."""
+        metrics.COMPLETION_NOTICES.labels(outcome=outcome).inc()
+        tid = n.transfer_id if n is not None else None
+        if outcome == "unknown":
+            log.debug("completion_notice_unknown", transfer_id=tid, reason=reason)
             return
+        now = time.monotonic()
+        with self._refusal_log_lock:
+            if now - self._refusals_logged_at < 1.0:
+                self._refusals_unlogged += 1
+                return
+            unlogged, self._refusals_logged_at, self._refusals_unlogged = self._refusals_unlogged, now, 0
         log.warning(
             "completion_notice_refused",
-            transfer_id=transfer_id[: limits.MAX_ID_CHARS] or None,
+            transfer_id=tid,
             reason=reason,
             rank=self.config.rank,
-            unlogged_before=self._refusals_unlogged or None,
+            unlogged_before=unlogged or None,
         )
-        self._refusals_logged_at, self._refusals_unlogged = now, 0
 
     def _hand_on_first_token(self, transfer_id: str, prefill_engine_id: str, token_id: int) -> None:
         """Gives an accepted OK completion's first token to the scheduler half, before the
@@ -422,15 +446,16 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ids are at most {limits.MAX_ID_CHARS} characters")
         await self._await_expectation(request.transfer_id, request.epoch)
         try:
-            rel = self.table.complete(
-                request.transfer_id,
-                request.epoch,
-                request.prefill_rank,
-                request.prefill.engine_id,
-                request.status == pb.TRANSFER_STATUS_OK,
-                limits.clip(request.reason),
-                time.monotonic(),
-            )
+            with self._table_lock:
+                rel = self.table.complete(
+                    request.transfer_id,
+                    request.epoch,
+                    request.prefill_rank,
+                    request.prefill.engine_id,
+                    request.status == pb.TRANSFER_STATUS_OK,
+                    limits.clip(request.reason),
+                    time.monotonic(),
+                )
         except CompletionError as exc:
             log.warning(
                 "completion_refused",
@@ -462,9 +487,10 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             log.warning("settle_refused", reason="transfer id too long")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"ids are at most {limits.MAX_ID_CHARS} characters")
         try:
-            rel = self.table.settle(
-                request.transfer_id, request.epoch, outcome, limits.clip(request.reason), time.monotonic()
-            )
+            with self._table_lock:
+                rel = self.table.settle(
+                    request.transfer_id, request.epoch, outcome, limits.clip(request.reason), time.monotonic()
+                )
         except CompletionError as exc:
             log.warning("settle_refused", transfer_id=request.transfer_id, code=_status(exc).name, reason=exc.message)
             await context.abort(_status(exc), exc.message)
