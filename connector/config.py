@@ -110,6 +110,12 @@ class ConnectorConfig:
     # (services/common/completion_notice.py). Decode mints the per-epoch key; false on either side
     # turns them off.
     completion_notices: bool = True
+    # Prefill: the Completion RPC of an OK completion whose notice went waits this long before it
+    # is sent (0: at once); failures and completions without a notice go at once. The notice has
+    # released decode by then; the RPC confirms it (and completes the transfer if the notice was
+    # lost) without landing on decode's CPU during the steps right after the release: paired,
+    # the gap before the second token 1.3 ms shorter (docs/bench_phases.md, runs 99-102).
+    completion_rpc_delay_ms: float = 200.0
     # Prometheus: the engine-core process serves base, worker rank r serves base + 1 + r; 0: off.
     metrics_base_port: int = 0
     # Logs each request's first scheduling and its end (scheduler process) and each step's forward
@@ -147,6 +153,8 @@ class ConnectorConfig:
             raise ConfigError("kv_connector_extra_config['gil_switch_interval_us'] must be in [0, 1e6] microseconds")
         if not 0 <= cfg.first_token_completion_wait_ms <= 1000:
             raise ConfigError("kv_connector_extra_config['first_token_completion_wait_ms'] must be in [0, 1000] ms")
+        if not 0 <= cfg.completion_rpc_delay_ms <= 10_000:
+            raise ConfigError("kv_connector_extra_config['completion_rpc_delay_ms'] must be in [0, 10000] ms")
         return cfg
 
     _TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")

@@ -220,6 +220,7 @@ class PrefillWorker:
             first_tokens=SAMPLED_FIRST_TOKENS if self.cfg.first_token_on_completion else None,
             first_token_wait_s=self.cfg.first_token_completion_wait_ms * 1e-3,
             completion_notices=self.cfg.completion_notices,
+            completion_rpc_delay_s=self.cfg.completion_rpc_delay_ms * 1e-3,
         )
         self.agent.start()
         self.cfg.serve_metrics(1 + rank)

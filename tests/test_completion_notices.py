@@ -395,3 +395,35 @@ def test_a_notice_and_its_rpc_racing_release_the_transfer_once(rank: _Rank) -> N
     t.join(WAIT_S)
     assert rank.wait(lambda: sorted(rank.released()) == sorted(keys))
     assert rank.rank.table.pending_count() == 0
+
+
+def test_written_names_the_ranks_its_notices_went_to() -> None:
+    from kvpush.services.common.nixl_engine import NixlError
+
+    class _Engine:
+        def send_notif(self, peer: str, message: bytes, blocking: bool = True) -> bool:
+            if peer == "gone":
+                raise NixlError("send_notif: disconnected")
+            return peer != "busy"
+
+    notices = CompletionNotices(_Engine(), rank=0, board=None)  # type: ignore[arg-type]
+    targets = [NoticeTarget(0, "d0"), NoticeTarget(1, "busy"), NoticeTarget(2, "gone"), NoticeTarget(3, "d3")]
+    assert notices.written("t1", 1, cn.new_key(), targets) == {0, 3}
+    assert notices.written("t2", 1, b"", targets) == set()  # no key: no notices
+
+
+def test_only_a_noticed_ok_completion_waits_before_its_rpc() -> None:
+    from types import SimpleNamespace
+
+    from kvpush.services.prefill_agent.agent import PrefillAgent
+    from kvpush.services.prefill_agent.writer import CompletionReport
+
+    agent = SimpleNamespace(_completion_rpc_delay_s=0.2)
+
+    def delay(status: int, noticed: bool) -> float:
+        report = CompletionReport("d:1", pb.Completion(transfer_id="t", status=status), noticed=noticed)  # type: ignore[arg-type]
+        return PrefillAgent._rpc_delay_s(agent, report)  # type: ignore[arg-type]
+
+    assert delay(pb.TRANSFER_STATUS_OK, True) == 0.2
+    assert delay(pb.TRANSFER_STATUS_OK, False) == 0.0  # no notice went: the RPC is the completion
+    assert delay(pb.TRANSFER_STATUS_FAILED, True) == 0.0  # a failure is never held back

@@ -167,18 +167,22 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         first_tokens: FirstTokenSource | None = None,
         first_token_wait_s: float = 0.0,
         completion_notices: bool = True,
+        completion_rpc_delay_s: float = 0.0,
     ) -> None:
         """``first_tokens``: the first tokens this engine sampled for hand-off transfers; an OK
         completion carries its transfer's, waiting up to ``first_token_wait_s`` for it when the
         WRITE finished first (connector/completion_tokens.py). ``completion_notices``: each OK
         completion is also sent ahead as a NIXL notification when its reservation carries a key
-        (notices.py); its first token goes in it, or after it from the engine thread."""
+        (notices.py); its first token goes in it, or after it from the engine thread.
+        ``completion_rpc_delay_s``: how long the RPC of a completion whose notice went waits
+        before it is sent (it only confirms then: off the path of decode's next steps)."""
         self.config = config
         self.security = config.security or Security.insecure(f"prefill-agent {config.engine_id}/{config.rank}")
         self.identity = engine_identity(config.engine_id, pb.ROLE_PREFILL, config.tp_size, config.shape, incarnation)
         self._on_release = on_release
         self._first_tokens = first_tokens
         self._first_token_wait_s = first_token_wait_s
+        self._completion_rpc_delay_s = completion_rpc_delay_s
         self._released: Handoff[ReleaseBlocks] = Handoff()
         self._draining = False
         self._streams = itertools.count(1)
@@ -316,10 +320,20 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         if token is not None:
             c.first_token = token
 
+    def _rpc_delay_s(self, report: CompletionReport) -> float:
+        """An OK completion whose notice went is confirmed ``completion_rpc_delay_s`` later: the
+        notice released decode already, and the RPC landing now would take decode's CPU from the
+        steps it runs next (measured, docs/bench_phases.md). Anything else goes at once."""
+        ok = report.completion.status == pb.TRANSFER_STATUS_OK
+        return self._completion_rpc_delay_s if report.noticed and ok else 0.0
+
     async def _send_completion(self, report: CompletionReport) -> None:
         """Delivers one completion, retrying with backoff while the decode rank is unreachable or
         does not know the transfer yet (its expectation may arrive late)."""
         c = report.completion
+        delay = self._rpc_delay_s(report)
+        if delay > 0:
+            await asyncio.sleep(delay)
         await self._add_first_token(c)
         deadline = time.monotonic() + COMPLETION_RETRY_S
         backoff = 0.05

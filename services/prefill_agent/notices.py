@@ -64,17 +64,17 @@ class CompletionNotices:
         self._lock = threading.Lock()
         self._owed: OrderedDict[str, _Owed] = OrderedDict()  # transfer id -> notices owed a token
 
-    def written(self, transfer_id: str, epoch: int, key: bytes, targets: list[NoticeTarget]) -> None:
+    def written(self, transfer_id: str, epoch: int, key: bytes, targets: list[NoticeTarget]) -> set[int]:
         """The writer thread: this rank's WRITEs of ``transfer_id`` into ``targets`` completed OK.
         Its notices go first; a token still to come is then owed, under the lock the engine
-        thread takes after it posts (so a token posted meanwhile is sent here, once)."""
+        thread takes after it posts (so a token posted meanwhile is sent here, once). Returns
+        the decode ranks a notice went to."""
         if not key or not targets:
-            return
+            return set()
         token = self.board.get(transfer_id) if self.board is not None else None
-        for t in targets:
-            self._send("writer", transfer_id, epoch, key, t, token, blocking=True)
+        sent = {t.decode_rank for t in targets if self._send("writer", transfer_id, epoch, key, t, token, True)}
         if token is not None or self.board is None:
-            return
+            return sent
         with self._lock:
             token = self.board.get(transfer_id)
             if token is None:
@@ -82,9 +82,10 @@ class CompletionNotices:
                     self._owed[transfer_id] = _Owed(epoch, key, tuple(targets))
                     while len(self._owed) > self.capacity:
                         self._owed.popitem(last=False)
-                return
+                return sent
         for t in targets:  # posted while the notices above went
             self._send("writer", transfer_id, epoch, key, t, token, blocking=True)
+        return sent
 
     def token_posted(self, transfer_id: str, token: int) -> None:
         """The engine thread, after it posted ``token``: never blocks, never raises."""
@@ -101,14 +102,15 @@ class CompletionNotices:
 
     def _send(
         self, sender: str, transfer_id: str, epoch: int, key: bytes, t: NoticeTarget, token: int | None, blocking: bool
-    ) -> None:
+    ) -> bool:
         msg = completion_notice.encode(key, transfer_id, epoch, self.rank, t.decode_rank, token)
         try:
             sent = self.engine.send_notif(t.nixl_peer, msg, blocking=blocking)
         except NixlError as exc:  # the peer is gone: the Completion RPC reports what it can
             metrics.COMPLETION_NOTICES.labels(sender=sender, result="failed").inc()
             log.info("completion_notice_failed", transfer_id=transfer_id, epoch=epoch, error=str(exc))
-            return
+            return False
         metrics.COMPLETION_NOTICES.labels(sender=sender, result="sent" if sent else "busy").inc()
         if not sent:
             log.debug("completion_notice_skipped", transfer_id=transfer_id, epoch=epoch, reason="NIXL busy")
+        return sent

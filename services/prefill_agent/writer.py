@@ -142,6 +142,7 @@ class CompletionReport:
 
     endpoint: str
     completion: pb.Completion
+    noticed: bool = False  # a completion notice for it went ahead (notices.py)
 
 
 class PushWriter:
@@ -571,9 +572,10 @@ class PushWriter:
         metrics.DESCRIPTORS.observe(total_desc)
         if ok:
             metrics.BYTES.inc(total_bytes)
+        noticed: set[int] = set()
         if self.notices is not None and res.notice_key:
             # Ahead of the RPCs: from this thread, now, not from the agent's loop once it runs.
-            self.notices.written(
+            noticed = self.notices.written(
                 tid,
                 res.epoch,
                 res.notice_key,
@@ -599,6 +601,7 @@ class PushWriter:
                         descriptors=plan.num_descriptors if plan is not None else 0,
                         write_seconds=elapsed,
                     ),
+                    noticed=decode_rank in noticed,
                 )
             )
         reason = "; ".join(f"decode rank {d}: {r[1]}" for d, r in sorted(results.items()) if not r[0])
