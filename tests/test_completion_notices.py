@@ -98,6 +98,18 @@ def test_malformed_notices_are_named_not_parsed(raw: bytes) -> None:
 # ----- the decode rank --------------------------------------------------------------------------
 
 
+def _ok_completion(tid: str) -> pb.Completion:
+    """The Completion RPC that follows a notice (epoch 1, prefill "P", ranks 0 -> 0)."""
+    return pb.Completion(
+        transfer_id=tid,
+        epoch=1,
+        prefill_rank=0,
+        decode_rank=0,
+        status=pb.TRANSFER_STATUS_OK,
+        prefill=pb.EngineIdentity(engine_id="P"),
+    )
+
+
 @dataclass
 class _Rank:
     rank: DecodeRank
@@ -168,14 +180,7 @@ def test_a_notice_releases_its_transfer_and_hands_its_token_on_first(rank: _Rank
     assert rank.events == [("token", ("t1", "P", 42)), ("released", "t1")]
     assert _accepted() == accepted + 1
     # The Completion RPC that follows every notice is a duplicate now: acknowledged, no second release.
-    c = pb.Completion(
-        transfer_id="t1",
-        epoch=1,
-        prefill_rank=0,
-        decode_rank=0,
-        status=pb.TRANSFER_STATUS_OK,
-        prefill=pb.EngineIdentity(engine_id="P"),
-    )
+    c = _ok_completion("t1")
     assert not rank.stub.Complete(c, timeout=WAIT_S).released
     assert rank.released() == ["t1"]
 
@@ -196,12 +201,17 @@ def test_forged_stale_and_misdirected_notices_release_nothing_and_the_rank_keeps
     unknown = [  # nothing to check a MAC against: dropped as unknown
         cn.encode(old_key, "t1", 1, 0, 0, 5),  # the superseded epoch's prefill, with its own key
         cn.encode(cn.new_key(), "plain", 1, 0, 0, 5),
-        cn.encode(key, "nobody-expects-it", 1, 0, 0, 5),
     ]
-    before = _refused(), _refused("unknown")
-    for raw in refused + unknown:
+    early = [cn.encode(key, "nobody-expects-it", 1, 0, 0, 5)]  # held for an expectation that never comes
+    before = _refused(), _refused("unknown"), _refused("early")
+    for raw in refused + unknown + early:
         rank.notify(raw)
-    assert rank.wait(lambda: (_refused(), _refused("unknown")) == (before[0] + len(refused), before[1] + len(unknown)))
+    assert rank.wait(
+        lambda: (
+            (_refused(), _refused("unknown"), _refused("early"))
+            == (before[0] + len(refused), before[1] + len(unknown), before[2] + len(early))
+        )
+    )
     assert rank.events == []  # nothing released, no token handed on
     assert rank.rank.table.get("t1").ok == set()  # type: ignore[union-attr]
     rank.notify(cn.encode(key, "t1", 2, 0, 0, 6))
@@ -222,21 +232,31 @@ def test_a_replayed_notice_changes_nothing(rank: _Rank) -> None:
     assert all(kind != "token" for kind, _ in rank.events)  # it carried none
 
 
-def test_a_notice_before_its_expectation_is_dropped_and_the_rpc_still_completes(rank: _Rank) -> None:
+def test_a_notice_that_overtook_its_expectation_is_taken_when_the_expectation_comes(rank: _Rank) -> None:
+    key = cn.new_key()
+    early = _refused("early")
+    rank.notify(cn.encode(key, "early", 1, 0, 0, 8))
+    assert rank.wait(lambda: _refused("early") == early + 1)
+    assert rank.events == []
+    assert rank.expect("early", key).code == 0  # no Completion RPC: the held notice releases it
+    assert rank.wait(lambda: rank.released() == ["early"])
+    assert rank.events[0] == ("token", ("early", "P", 8))
+
+
+def test_notices_waiting_for_an_expectation_are_bounded_and_expire(rank: _Rank) -> None:
+    from kvpush.services.decode_agent import rank as rank_module
+
+    r = rank.rank
     key = cn.new_key()
     unknown = _refused("unknown")
-    rank.notify(cn.encode(key, "early", 1, 0, 0))
-    assert rank.wait(lambda: _refused("unknown") == unknown + 1)
-    assert rank.expect("early", key).code == 0
-    c = pb.Completion(
-        transfer_id="early",
-        epoch=1,
-        prefill_rank=0,
-        decode_rank=0,
-        status=pb.TRANSFER_STATUS_OK,
-        prefill=pb.EngineIdentity(engine_id="P"),
-    )
-    assert rank.stub.Complete(c, timeout=WAIT_S).released
+    with r._table_lock:
+        for i in range(rank_module.MAX_EARLY_NOTICES + 10):
+            r._hold_early(cn.decode(cn.encode(key, f"flood-{i}", 1, 0, 0)))  # type: ignore[arg-type]
+        assert r._early_count == rank_module.MAX_EARLY_NOTICES == len(r._early)
+        assert "flood-0" not in {tid for tid, _ in r._early}  # the oldest went first
+        r._expire_early(time.monotonic() + r.config.expect_wait_s)
+        assert r._early_count == 0 and not r._early
+    assert _refused("unknown") == unknown + rank_module.MAX_EARLY_NOTICES + 10
 
 
 # ----- the prefill side -------------------------------------------------------------------------
@@ -378,14 +398,7 @@ def test_a_notice_and_its_rpc_racing_release_the_transfer_once(rank: _Rank) -> N
 
     def rpcs() -> None:
         for tid in keys:
-            c = pb.Completion(
-                transfer_id=tid,
-                epoch=1,
-                prefill_rank=0,
-                decode_rank=0,
-                status=pb.TRANSFER_STATUS_OK,
-                prefill=pb.EngineIdentity(engine_id="P"),
-            )
+            c = _ok_completion(tid)
             rank.stub.Complete(c, timeout=WAIT_S)
 
     t = threading.Thread(target=rpcs)

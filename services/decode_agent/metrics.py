@@ -35,7 +35,8 @@ FIRST_TOKEN_PATHS = Counter(
 COMPLETION_NOTICES = Counter(
     "kvpush_decode_completion_notices_total",
     "Completion notices (NIXL notifications) by what the rank did with them: accepted (recorded a "
-    "rank's completion, or repeated one); unknown (no expectation with a key for its transfer and "
-    "epoch: forged, early or late, the RPC decides); refused (malformed, bad MAC, misdirected)",
+    "rank's completion, or repeated one); early (held for the expectation it overtook, then counted "
+    "again when taken); unknown (no expectation with a key for its transfer and epoch, or none came "
+    "in time: the RPC decides); refused (malformed, bad MAC, misdirected)",
     ["outcome"],
 )

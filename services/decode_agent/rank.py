@@ -14,6 +14,7 @@ import contextlib
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -36,6 +37,7 @@ from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
 log = get_logger("decode.rank")
 
+MAX_EARLY_NOTICES = 4096  # notices waiting for their expectation at once, all transfers
 _OUTCOME = {pb.TRANSFER_STATUS_FAILED: Outcome.FAILED, pb.TRANSFER_STATUS_CANCELLED: Outcome.CANCELLED}
 
 
@@ -119,6 +121,10 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         # The barrier table changes on the rank's loop (Expect, Complete, Settle) and on the thread
         # that drained completion notices: one change at a time.
         self._table_lock = threading.Lock()
+        # Notices that overtook their expectation, by (transfer id, epoch): taken when it comes,
+        # dropped after expect_wait_s or past the bound (oldest first). Under _table_lock.
+        self._early: OrderedDict[tuple[str, int], tuple[float, list[pb.CompletionNotice]]] = OrderedDict()
+        self._early_count = 0
         self._tokens_awaited = False
         self.cadence = PollCadence(config.poll_interval_s, config.busy_poll_s, config.idle_poll_s)
         self._expected: dict[str, asyncio.Event] = {}  # completions waiting for their expectation
@@ -294,8 +300,10 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         if now >= self._next_expiry:
             with self._table_lock:
                 self.table.expire(now)
+                self._expire_early(now)
             self._next_expiry = now + 1.0
         results = []
+        early: list[pb.CompletionNotice] = []
         for e in request.expectations:
             problem = _expectation_out_of_bounds(e)
             if problem is not None:
@@ -313,6 +321,11 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
                         now,
                         notice_key=e.completion_key,
                     )
+                    held = self._early.pop((e.transfer_id, e.epoch), None)
+                    if held is not None:
+                        self._early_count -= len(held[1])
+                if held is not None:
+                    early.extend(held[1])
                 results.append(pb.ExpectResult())
             except CompletionError as exc:
                 code = _status(exc)
@@ -322,6 +335,8 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             if waiter is not None:
                 waiter.set()
         self._update_active()
+        if early:
+            self._take_notices(early)
         return pb.ExpectResponse(results=results)
 
     async def _await_expectation(self, transfer_id: str, epoch: int) -> None:
@@ -339,19 +354,31 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
     # ----- completion notices (NIXL notifications; services/common/completion_notice.py) -----
 
     def _on_notices(self, raw: list[bytes]) -> None:
-        """The thread that drained them (the poller, or the engine thread at a step's end): records
-        each notice whose MAC verifies as the OK completion it reports, as ``Complete`` would. One
-        for a transfer this rank expects no notices for cannot be verified and is dropped; when it
-        overtook its expectation, the Completion RPC that follows every notice waits for it."""
+        """The thread that drained them (the poller, or the engine thread at a step's end)."""
+        notices = []
         for msg in raw:
             n = completion_notice.decode(bytes(msg))
             if isinstance(n, str):
                 self._notice_refused(n, None)
-                continue
+            else:
+                notices.append(n)
+        if notices:
+            self._take_notices(notices)
+
+    def _take_notices(self, notices: list[pb.CompletionNotice]) -> None:
+        """Records each notice whose MAC verifies as the OK completion it reports, as ``Complete``
+        would. One that overtook its expectation (no barrier for its transfer yet, or an older
+        epoch's) waits for it, bounded; any other this rank expects no notices for cannot be
+        verified and is dropped (the Completion RPC that follows every notice decides)."""
+        for n in notices:
             prefill_engine_id = ""
+            rel: Released | None = None
             with self._table_lock:
                 b = self.table.get(n.transfer_id)
-                if b is None or b.epoch != n.epoch or not b.notice_key:
+                if b is None or b.epoch < n.epoch:
+                    self._hold_early(n)
+                    continue
+                if b.epoch != n.epoch or not b.notice_key:
                     problem, outcome = "no expectation with notices for this transfer and epoch", "unknown"
                 elif not completion_notice.verify(b.notice_key, n):
                     problem, outcome = "bad MAC", "refused"
@@ -385,6 +412,32 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
             if rel is not None:
                 self._released_now(rel)
                 self._update_active()
+
+    def _hold_early(self, n: pb.CompletionNotice) -> None:
+        """Under _table_lock: keeps a notice for the expectation it overtook; at most
+        MAX_EARLY_NOTICES in all, the oldest transfer's dropped first (counted as unknown)."""
+        key = (n.transfer_id, n.epoch)
+        held = self._early.get(key)
+        if held is None:
+            held = self._early[key] = (time.monotonic(), [])
+        held[1].append(n)
+        self._early_count += 1
+        metrics.COMPLETION_NOTICES.labels(outcome="early").inc()
+        while self._early_count > MAX_EARLY_NOTICES:
+            _, (_, dropped) = self._early.popitem(last=False)
+            self._early_count -= len(dropped)
+            metrics.COMPLETION_NOTICES.labels(outcome="unknown").inc(len(dropped))
+
+    def _expire_early(self, now: float) -> None:
+        """Under _table_lock: notices whose expectation did not come within expect_wait_s."""
+        while self._early:
+            key, (since, dropped) = next(iter(self._early.items()))
+            if since + self.config.expect_wait_s > now:
+                break
+            del self._early[key]
+            self._early_count -= len(dropped)
+            metrics.COMPLETION_NOTICES.labels(outcome="unknown").inc(len(dropped))
+            log.debug("completion_notice_unknown", transfer_id=key[0], reason="its expectation never came")
 
     def _notice_refused(self, reason: str, n: pb.CompletionNotice | None, outcome: str = "refused") -> None:
         """Counts a notice not taken. ``unknown``: nothing to verify it against (logged at debug: a
