@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -16,11 +17,14 @@ import pytest
 
 from kvpush.connector.completion_tokens import SampledFirstTokens
 from kvpush.services.common import completion_notice as cn
-from kvpush.services.common.nixl_engine import NixlEngine
+from kvpush.services.common.nixl_engine import NixlEngine, NixlError
 from kvpush.services.decode_agent import metrics as decode_metrics
+from kvpush.services.decode_agent import rank as rank_module
 from kvpush.services.decode_agent.rank import DecodeRank, DecodeRankConfig
 from kvpush.services.prefill_agent import metrics as prefill_metrics
+from kvpush.services.prefill_agent.agent import PrefillAgent
 from kvpush.services.prefill_agent.notices import CompletionNotices, NoticeTarget
+from kvpush.services.prefill_agent.writer import CompletionReport
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 from tests.security_support import regions
@@ -244,8 +248,6 @@ def test_a_notice_that_overtook_its_expectation_is_taken_when_the_expectation_co
 
 
 def test_notices_waiting_for_an_expectation_are_bounded_and_expire(rank: _Rank) -> None:
-    from kvpush.services.decode_agent import rank as rank_module
-
     r = rank.rank
     key = cn.new_key()
     unknown = _refused("unknown")
@@ -411,8 +413,6 @@ def test_a_notice_and_its_rpc_racing_release_the_transfer_once(rank: _Rank) -> N
 
 
 def test_written_names_the_ranks_its_notices_went_to() -> None:
-    from kvpush.services.common.nixl_engine import NixlError
-
     class _Engine:
         def send_notif(self, peer: str, message: bytes, blocking: bool = True) -> bool:
             if peer == "gone":
@@ -426,11 +426,6 @@ def test_written_names_the_ranks_its_notices_went_to() -> None:
 
 
 def test_only_a_noticed_ok_completion_waits_before_its_rpc() -> None:
-    from types import SimpleNamespace
-
-    from kvpush.services.prefill_agent.agent import PrefillAgent
-    from kvpush.services.prefill_agent.writer import CompletionReport
-
     agent = SimpleNamespace(_completion_rpc_delay_s=0.2)
 
     def delay(status: int, noticed: bool) -> float:
