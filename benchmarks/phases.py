@@ -19,7 +19,10 @@ connector's step trace on (``trace_steps``). For each prompt, one after another 
    ``Generate`` joins that rotation, so its TTFT and TPOT (per request, the hand-off gap included)
    are paired with one plain vLLM's on the same prompt, seconds apart: issue #10's light-load
    ratios free of launch-to-launch variance. Use D's core (1) to compare engines on the same core
-   (the P/D TPOT is decoded there too); the pause also follows this step.
+   (the P/D TPOT is decoded there too); the pause also follows this step. With ``--plain-twin`` a
+   second plain vLLM, identical and started beside the first, joins the rotation: how far apart
+   two launches of the very same engine are in this run, the yardstick for every ratio above
+   (0.81-1.02x between two plain vLLMs on one core of the 2-core VM, measured).
 
 The same prompt on the same engine, minutes apart at most: the differences are what the P/D path
 adds, free of the launch-to-launch variance that separates two launches of one plain instance
@@ -71,8 +74,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--plain-instance-core", type=int, default=None, help="also compare with a plain vLLM pinned to this core"
     )
+    ap.add_argument(
+        "--plain-twin",
+        action="store_true",
+        help="with --plain-instance-core: a second, identical plain vLLM on that core joins the rotation",
+    )
     ap.add_argument("--quiet-s", type=float, default=1.2, help="pause before each plain-instance comparison request")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.plain_twin and args.plain_instance_core is None:
+        ap.error("--plain-twin needs --plain-instance-core")
+    return args
 
 
 class Trace:
@@ -195,7 +206,7 @@ def _tpot(ts: Sequence[float]) -> float:
 
 
 async def measure(
-    pair: Any, args: argparse.Namespace, prompts: list[list[int]], plain: Any = None
+    pair: Any, args: argparse.Namespace, prompts: list[list[int]], plain: Any = None, twin: Any = None
 ) -> list[dict[str, Any]]:
     from google.protobuf.json_format import MessageToDict
 
@@ -265,6 +276,7 @@ async def measure(
                 "decode": pair.decode.pid,
                 "scheduler": pair.scheduler.proc.pid,
                 "plain": None if plain is None else plain.pid,
+                **({} if twin is None else {"twin": twin.pid}),
             }
 
             def cpu_by_process() -> dict[str, float]:
@@ -300,6 +312,8 @@ async def measure(
                         ("plain_d_quiet", functools.partial(streamed, d_url, prompt), "decode"),
                         ("generate_quiet", functools.partial(generate, prompt), ""),
                     ]
+                    if twin is not None:
+                        order.insert(1, ("plain_twin", functools.partial(streamed, twin.base_url, prompt), "twin"))
                     k = i % len(order)
                     for key, call, engine in order[k:] + order[:k]:
                         await asyncio.sleep(args.quiet_s)  # let the last engine's worker stop spinning
@@ -370,7 +384,11 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
             put("plain.cpu_decode_quiet", r["plain_d_quiet_cpu_s"])
             for proc, cpu_s in r.get("plain_d_quiet_cpu_by_process", {}).items():
                 put(f"plain.cpu_decode_quiet.{proc}", cpu_s)
-            for key, name in (("plain_instance", "plain.{}_instance_quiet"), ("generate_quiet", "generate.{}_quiet")):
+            runs = [("plain_instance", "plain.{}_instance_quiet"), ("generate_quiet", "generate.{}_quiet")]
+            if "plain_twin" in r:
+                runs.append(("plain_twin", "plain.{}_twin_quiet"))
+                put("plain.cpu_twin_quiet", r["plain_twin_cpu_s"])
+            for key, name in runs:
                 ts = r[key]
                 put(name.format("tpot"), _tpot(ts))
                 put(name.format("tpot2"), _tpot(ts[1:]))
@@ -404,6 +422,22 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
         diffs["tpot2_ratio_generate_to_plain_instance"] = ratio("generate.tpot2_quiet", "plain.tpot2_instance_quiet")
         diffs["gap_generate_minus_plain_instance"] = paired("generate.gap_quiet", "plain.gap_instance_quiet")
         diffs["ttft_generate_minus_plain_instance"] = paired("generate.ttft_quiet", "plain.ttft_instance_quiet")
+    if "plain.tpot_twin_quiet" in series:
+        # Two launches of one plain vLLM, and each P/D ratio against both (their mean per prompt).
+        for kind in ("tpot", "tpot2"):
+            twin, plain = np.array(series[f"plain.{kind}_twin_quiet"]), np.array(series[f"plain.{kind}_instance_quiet"])
+            both = (twin + plain) / 2
+            diffs[f"{kind}_ratio_twin_to_plain_instance"] = float(np.nanmedian(twin / plain))
+            diffs[f"{kind}_ratio_generate_to_plain_pair"] = float(
+                np.nanmedian(np.array(series[f"generate.{kind}_quiet"]) / both)
+            )
+        diffs["tpot_ratio_decode_engine_to_plain_pair"] = float(
+            np.nanmedian(
+                np.array(series["plain.tpot_decode_quiet"])
+                / ((np.array(series["plain.tpot_twin_quiet"]) + np.array(series["plain.tpot_instance_quiet"])) / 2)
+            )
+        )
+        diffs["cpu_ratio_twin_to_plain_instance"] = ratio("plain.cpu_twin_quiet", "plain.cpu_instance_quiet")
     return {"n": len(series.get("pd.answer", [])), "p50_ms": p50, "paired": diffs, "series_ms": series}
 
 
@@ -512,6 +546,25 @@ def markdown(res: dict[str, Any]) -> str:
             f"| first → second token | {p['plain.gap_instance_quiet']:.2f} | {p['generate.gap_quiet']:.2f} | "
             f"{d['gap_generate_minus_plain_instance']:+.2f} ms |",
         ]
+        if "tpot_ratio_twin_to_plain_instance" in d:
+            lines += [
+                "",
+                "| two launches of one plain vLLM (the twin: same engine, same core, same rotation) | p50 ms |"
+                " paired ratio to the first |",
+                "|---|---:|---:|",
+                f"| TPOT per request, the twin | {p['plain.tpot_twin_quiet']:.2f} | "
+                f"{d['tpot_ratio_twin_to_plain_instance']:.3f} |",
+                f"| TPOT from the second token, the twin | {p['plain.tpot2_twin_quiet']:.2f} | "
+                f"{d['tpot2_ratio_twin_to_plain_instance']:.3f} |",
+                f"| CPU of the twin's processes per request | {p['plain.cpu_twin_quiet']:.1f} | "
+                f"{d['cpu_ratio_twin_to_plain_instance']:.3f} |",
+                f"| the kvpush decode engine's plain request, against both plain vLLMs' mean | | "
+                f"{d['tpot_ratio_decode_engine_to_plain_pair']:.3f} |",
+                f"| `Generate` TPOT per request, against both plain vLLMs' mean | | "
+                f"{d['tpot_ratio_generate_to_plain_pair']:.3f} |",
+                f"| `Generate` TPOT from the second token, against both plain vLLMs' mean | | "
+                f"{d['tpot2_ratio_generate_to_plain_pair']:.3f} |",
+            ]
         procs = ("client", "scheduler", "prefill", "decode", "plain")
         cpu = {
             which: [p.get(f"{name}.{proc}", float("nan")) for proc in procs]
@@ -531,17 +584,21 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def _plain_instance(h: serving.Harness, core: int | None) -> Iterator[Any]:
-    """A plain vLLM (no connector) pinned to ``core``, started after the pair; None: none."""
+def _plain_instances(h: serving.Harness, core: int | None, twin: bool) -> Iterator[tuple[Any, Any]]:
+    """A plain vLLM (no connector) pinned to ``core``, started after the pair, and with ``twin`` a
+    second one beside it; None where there is none."""
     if core is None:
-        yield None
+        yield None, None
         return
-    srv = h.server("plain-instance", core, None, {})
+    servers = [h.server("plain-instance", core, None, {})]
+    if twin:
+        servers.append(h.server("plain-twin", core, None, {}))
     try:
-        h.start([(srv, core)])
-        yield srv
+        h.start([(srv, core) for srv in servers])
+        yield servers[0], (servers[1] if twin else None)
     finally:
-        srv.stop()
+        for srv in servers:
+            srv.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -573,8 +630,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     load_before = os.getloadavg()[0]
     t_start = time.monotonic()
-    with h.pair("ours") as pair, _plain_instance(h, args.plain_instance_core) as plain:
-        rows = asyncio.run(measure(pair, args, prompts, plain))
+    with h.pair("ours") as pair, _plain_instances(h, args.plain_instance_core, args.plain_twin) as (plain, twin):
+        rows = asyncio.run(measure(pair, args, prompts, plain, twin))
         trace = Trace(pair.prefill.log_path, pair.decode.log_path)
     res = analyse(rows, trace)
     res.update(

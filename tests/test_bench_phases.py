@@ -171,6 +171,36 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
     assert "| CPU per request, p50 ms | client | scheduler | prefill | decode | plain |" in md
     assert "| `Generate` | 9.0 | 4.0 | nan | 52.0 | 0.0 |" in md
     assert "| decode engine, plain request | 10.0 | 0.0 | nan | 55.0 | 1.0 |" in md
+    assert "two launches of one plain vLLM" not in md
+
+    # --plain-twin: a second plain vLLM in the rotation; its ratio to the first is the run's
+    # yardstick, and the P/D ratios are also taken against both plain vLLMs' mean.
+    twin = {
+        "plain_twin": [_t(4300), _t(4310), _t(4322)],  # TPOT 11, from the 2nd token 12
+        "plain_twin_sent": _t(4290),
+        "plain_twin_cpu_s": 0.060,
+        "plain_twin_cpu_by_process": {"client": 0.010, "twin": 0.060},
+    }
+    res2 = phases.analyse([{**row, **twin}], phases.Trace(p_log, d_log))
+    d2 = res2["paired"]
+    assert d2["tpot_ratio_twin_to_plain_instance"] == pytest.approx(11 / 8, abs=0.001)
+    assert d2["tpot2_ratio_twin_to_plain_instance"] == pytest.approx(12 / 8, abs=0.001)
+    assert d2["cpu_ratio_twin_to_plain_instance"] == pytest.approx(60 / 50, abs=0.001)
+    assert d2["tpot_ratio_decode_engine_to_plain_pair"] == pytest.approx(9 / 9.5, abs=0.001)
+    assert d2["tpot_ratio_generate_to_plain_pair"] == pytest.approx(16 / 9.5, abs=0.001)
+    assert d2["tpot2_ratio_generate_to_plain_pair"] == pytest.approx(12 / 10, abs=0.001)
+    assert d2["tpot_ratio_decode_engine_to_plain_instance"] == d["tpot_ratio_decode_engine_to_plain_instance"]
+    md2 = phases.markdown(
+        {
+            **res2,
+            "config": {"prompt_len": 1024, "output_len": 3, "plain_instance_core": 0},
+            "load_before": 1.0,
+            "load_after": 1.0,
+            "host": "2 CPUs",
+        }
+    )
+    assert "| TPOT per request, the twin | 11.00 | 1.375 |" in md2
+    assert "| `Generate` TPOT per request, against both plain vLLMs' mean | | 1.684 |" in md2
 
 
 def test_a_push_started_before_its_request_finished_is_still_its_own(tmp_path: Path) -> None:
