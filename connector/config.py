@@ -25,7 +25,15 @@ def _bool(raw: Any) -> bool:
 
 
 # Field type annotation (a string: postponed annotations) -> parser of a raw config value.
-_CONVERTERS: dict[str, Callable[[Any], Any]] = {"int": int, "float": float, "str": str, "bool": _bool}
+_CONVERTERS: dict[str, Callable[[Any], Any]] = {
+    "int": int,
+    "float": float,
+    "float | None": float,
+    "str": str,
+    "bool": _bool,
+}
+# The engine process's GIL switch interval unless configured, by role (``ConnectorConfig``).
+GIL_SWITCH_INTERVAL_DEFAULT_US = {"prefill": 500.0, "decode": 0.0}
 
 
 @dataclass(frozen=True)
@@ -66,11 +74,14 @@ class ConnectorConfig:
     # end (services/decode_agent/cadence.py).
     poll_interval_us: float = 100.0
     busy_poll_interval_us: float = 5000.0
-    # The engine process's GIL switch interval (sys.setswitchinterval), 0: Python's (5 ms). With the
-    # model in the EngineCore process (the uni executor), the connector's threads (the decode rank's
-    # poller, the prefill writer, the agents' gRPC handlers) wait for the GIL behind the engine loop;
-    # 500 µs cut the hand-off's paired TTFT cost from +6.0-7.9 to +4.1 ms (docs/bench_phases.md).
-    gil_switch_interval_us: float = 500.0
+    # The engine process's GIL switch interval (sys.setswitchinterval), 0: Python's (5 ms); unset:
+    # the role's default (GIL_SWITCH_INTERVAL_DEFAULT_US). With the model in the EngineCore process
+    # (the uni executor), the connector's threads wait for the GIL behind the engine loop. On
+    # prefill 500 µs cut the hand-off's paired TTFT cost from +6.0-7.9 to +4.1 ms; on decode it
+    # made every decode step 2-11 % slower (more GIL hand-offs to vLLM's own output thread), and
+    # decode's connector work is done on the engine thread at each step's end or while it idles
+    # (docs/bench_phases.md).
+    gil_switch_interval_us: float | None = None
     # NIXL UCX backend's error handling: "" keeps NIXL's default ("peer": dead peers detected on
     # every transport); "none" lets cma WRITEs complete without the target calling into NIXL.
     ucx_error_handling_mode: str = ""
@@ -149,13 +160,19 @@ class ConnectorConfig:
         for key in ("poll_interval_us", "busy_poll_interval_us"):
             if not 0 < getattr(cfg, key) <= 1e6:
                 raise ConfigError(f"kv_connector_extra_config[{key!r}] must be in (0, 1e6] microseconds")
-        if not 0 <= cfg.gil_switch_interval_us <= 1e6:
+        if cfg.gil_switch_interval_us is not None and not 0 <= cfg.gil_switch_interval_us <= 1e6:
             raise ConfigError("kv_connector_extra_config['gil_switch_interval_us'] must be in [0, 1e6] microseconds")
         if not 0 <= cfg.first_token_completion_wait_ms <= 1000:
             raise ConfigError("kv_connector_extra_config['first_token_completion_wait_ms'] must be in [0, 1000] ms")
         if not 0 <= cfg.completion_rpc_delay_ms <= 10_000:
             raise ConfigError("kv_connector_extra_config['completion_rpc_delay_ms'] must be in [0, 10000] ms")
         return cfg
+
+    def switch_interval_us(self) -> float:
+        """The GIL switch interval this engine's process gets (0: Python's own)."""
+        if self.gil_switch_interval_us is not None:
+            return self.gil_switch_interval_us
+        return GIL_SWITCH_INTERVAL_DEFAULT_US[self.role]
 
     _TLS_KEYS = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 

@@ -47,9 +47,10 @@ class KvPushConnector(KVConnectorBase_V1):
         configure()
         assert vllm_config.kv_transfer_config is not None
         self.cfg = ConnectorConfig.from_vllm(vllm_config.kv_transfer_config)
-        if self.cfg.gil_switch_interval_us:
-            sys.setswitchinterval(self.cfg.gil_switch_interval_us / 1e6)
-            get_logger("kvpush.connector").info("gil_switch_interval_set", us=self.cfg.gil_switch_interval_us)
+        switch_us = self.cfg.switch_interval_us()
+        if switch_us:
+            sys.setswitchinterval(switch_us / 1e6)
+            get_logger("kvpush.connector").info("gil_switch_interval_set", us=switch_us)
         model_id = self.cfg.model_id or default_model_id(vllm_config.model_config.model)
         self._trace = get_logger("kvpush.connector.trace") if self.cfg.trace_steps else None
         self._num_groups = max(1, len(kv_cache_config.kv_cache_groups)) if kv_cache_config else 1

@@ -82,9 +82,13 @@ def test_poll_intervals_are_bounded() -> None:
         for bad in (0, -1, 2e6):
             with pytest.raises(ConfigError, match=key):
                 ConnectorConfig.from_vllm(cfg(**{key: bad}))
-    # The engine's GIL switch interval: 0 keeps Python's; negative or over a second is refused.
-    assert ConnectorConfig.from_vllm(cfg()).gil_switch_interval_us == 500
-    assert ConnectorConfig.from_vllm(cfg(gil_switch_interval_us=0)).gil_switch_interval_us == 0
+    # The engine's GIL switch interval: 0 keeps Python's; unset, 500 µs on prefill and Python's on
+    # decode; negative or over a second is refused.
+    assert ConnectorConfig.from_vllm(cfg()).switch_interval_us() == 0
+    prefill = SimpleNamespace(kv_role="kv_producer", engine_id="p0", kv_connector_extra_config={"insecure": True})
+    assert ConnectorConfig.from_vllm(prefill).switch_interval_us() == 500
+    assert ConnectorConfig.from_vllm(cfg(gil_switch_interval_us=500)).switch_interval_us() == 500
+    assert ConnectorConfig.from_vllm(cfg(gil_switch_interval_us=0)).switch_interval_us() == 0
     for bad in (-1, 2e6):
         with pytest.raises(ConfigError, match="gil_switch_interval_us"):
             ConnectorConfig.from_vllm(cfg(gil_switch_interval_us=bad))
