@@ -12,7 +12,10 @@ requests back to back while a fault thread injects, every 20-60 s, one of:
 
 Every request ends as ``ok`` (tokens equal to the plain instance's), ``wrong`` (tokens differ: a
 corrupted transfer), ``failed`` (a gRPC status, with its reason) or ``hung`` (no answer within its
-deadline). Every 5 s the RSS of each process tree and decode's free blocks are sampled. At the end
+deadline). Every 5 s the RSS of each process tree and decode's free blocks are sampled, and the
+connector counters of how first tokens and completions reached decode are scraped from every
+instance's Prometheus endpoint (``COUNTERS``; a restarted instance's counters start again from zero
+and are added on). At the end
 the load stops, the cluster goes idle, and decode's and each prefill's free blocks are compared with
 their idle values before the load. Writes ``runs/soak/soak.json``, ``docs/soak.md`` and
 ``docs/img/soak_rss.png``.
@@ -44,6 +47,13 @@ from scripts.cluster.pd import PDCluster, pd_cluster
 from scripts.cluster.vllm import make_model
 
 FAULTS = ("kill_prefill", "stop_prefill", "restart_scheduler", "kill_decode")
+# The connector counters scraped during the load (every label set of each).
+COUNTERS = (
+    "kvpush_prefill_completion_notices_total",
+    "kvpush_decode_completion_notices_total",
+    "kvpush_decode_first_token_paths_total",
+    "kvpush_decode_first_tokens_total",
+)
 WEIGHTS = (4, 3, 2, 1)
 
 
@@ -75,6 +85,46 @@ class Report:
     rss_mib: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # first, max, last
     max_seconds: float = 0.0
     load_avg: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    counters: dict[str, dict[str, float]] = field(default_factory=dict)  # instance -> series -> total
+
+
+def scrape_counters(port: int, names: tuple[str, ...] = COUNTERS, timeout_s: float = 2.0) -> dict[str, float] | None:
+    """The samples of ``names`` on the Prometheus endpoint at ``port`` (``name{label="v",...}`` ->
+    value); None when the endpoint does not answer (the instance is down or restarting)."""
+    import urllib.error
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=timeout_s) as resp:
+            text = resp.read().decode()
+    except (OSError, urllib.error.URLError):
+        return None
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
+
+
+class CounterTotals:
+    """Counter totals over restarts: a value below the last one seen means the process started
+    again from zero (a reset between two scrapes that grew past the old value goes unseen)."""
+
+    def __init__(self) -> None:
+        self.last: dict[tuple[str, str], float] = {}
+        self.totals: dict[str, dict[str, float]] = {}
+
+    def add(self, instance: str, values: dict[str, float]) -> None:
+        for series, value in values.items():
+            prev = self.last.get((instance, series), 0.0)
+            grown = value - prev if value >= prev else value
+            per = self.totals.setdefault(instance, {})
+            per[series] = per.get(series, 0.0) + grown
+            self.last[(instance, series)] = value
 
 
 def _tree_rss_mib(pid: int | None) -> float:
@@ -140,6 +190,7 @@ class Soak:
         self.t0 = time.monotonic()
         self.rng = random.Random(args.seed)
         self.cluster_lock = threading.Lock()  # a fault and a sample never race on a restart
+        self.counters = CounterTotals()
 
     def now(self) -> float:
         return time.monotonic() - self.t0
@@ -167,10 +218,17 @@ class Soak:
                 servers = {f"prefill-{i}": s for i, s in enumerate(self.c.prefills)} | {"decode-0": self.c.decode}
                 rss = {n: _tree_rss_mib(s.pid) for n, s in servers.items()}
                 rss["scheduler"] = _tree_rss_mib(self.c.scheduler.proc.pid)
+            self.scrape()
             load = _loads(self.c).get("decode-0")
             self.samples.append(
                 Sample(self.now(), rss, load.free_blocks if load else None, round(os.getloadavg()[0], 2))
             )
+
+    def scrape(self) -> None:
+        for name, port in self.c.metrics_ports.items():
+            values = scrape_counters(port)
+            if values is not None:
+                self.counters.add(name, values)
 
     def inject(self) -> None:
         while not self.stop.wait(self.rng.uniform(20, 60)):
@@ -283,6 +341,12 @@ def _markdown(r: Report, args: argparse.Namespace) -> str:
         "|---|---:|---:|---:|",
         *(f"| {k} | {a:.0f} | {b:.0f} | {c:.0f} |" for k, (a, b, c) in r.rss_mib.items()),
         "",
+        "Connector counters over the load (all instances' restarts added up; warm-up included):",
+        "",
+        "| instance | counter | total |",
+        "|---|---|---:|",
+        *(f"| {n} | `{k}` | {v:.0f} |" for n, per in r.counters.items() for k, v in per.items()),
+        "",
         "Faults injected (seconds into the load):",
         "",
         *(f"- {t:.0f} s: {kind} ({detail})" for t, kind, detail in r.faults),
@@ -323,7 +387,7 @@ def main() -> None:
         for _ in range(args.prompts)
     ]
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    with pd_cluster(args.model_dir, args.run_dir, prefills=2) as c:
+    with pd_cluster(args.model_dir, args.run_dir, prefills=2, metrics=True) as c:
         assert c.baseline is not None
         expected = [complete(c.baseline.base_url, p, args.max_tokens)[0] for p in prompts]
         c.baseline.stop()
@@ -335,6 +399,7 @@ def main() -> None:
         soak.run()
         c.wait_registered(timeout_s=120)
         after = _idle_free_blocks(c, names)
+        soak.scrape()
 
     counts = collections.Counter(o.kind for o in soak.outcomes)
     reasons = collections.Counter(o.detail for o in soak.outcomes if o.kind == "failed")
@@ -353,6 +418,7 @@ def main() -> None:
         rss_mib=rss,
         max_seconds=max((o.seconds for o in soak.outcomes), default=0.0),
         load_avg=os.getloadavg(),
+        counters={n: {k: v for k, v in sorted(per.items()) if v} for n, per in soak.counters.totals.items()},
     )
     out = {
         "report": asdict(report),

@@ -40,6 +40,8 @@ class PDCluster:
     baseline: VllmServer | None
     # Every prefill instance (``prefill`` is the first); engine ids prefill-0, prefill-1, ...
     prefills: list[VllmServer] = field(default_factory=list)
+    # With ``pd_cluster(metrics=True)``: each instance's Prometheus port (its rank 0), by engine id.
+    metrics_ports: dict[str, int] = field(default_factory=dict)
     channel: grpc.Channel = field(init=False)
 
     def __post_init__(self) -> None:
@@ -106,15 +108,19 @@ def pd_cluster(
     cert_dir: Path | None = None,
     prefills: int = 1,
     legs: LegAuthMode = "sign",
+    metrics: bool = False,
 ) -> Iterator[PDCluster]:
     """``prefill_tp``/``decode_tp`` > 1 spread that instance's ranks over all cores; ``prefills``
     instances of prefill (prefill-0, prefill-1, ...). Every gRPC hop uses mTLS with certificates from
     ``cert_dir`` (made if missing; default ``log_dir/certs``). ``legs``: how the scheduler
-    authenticates kv_transfer_params legs (``sign``: Ed25519; ``mac``: per-engine HMAC keys)."""
+    authenticates kv_transfer_params legs (``sign``: Ed25519; ``mac``: per-engine HMAC keys).
+    ``metrics``: each instance serves its connector's Prometheus metrics (rank r on its
+    ``metrics_ports`` entry + r)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     on = cores()
     sched = start_scheduler(log_dir, cert_dir=cert_dir, legs=legs)
     servers: list[tuple[VllmServer, int | None]] = []
+    metrics_ports: dict[str, int] = {}
     env_common = {
         "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         "KVPUSH_LOG_LEVEL": "INFO",
@@ -127,6 +133,10 @@ def pd_cluster(
         for i, (role, engine_id, tp) in enumerate(instances):
             port = free_port()
             core = on[i % len(on)]
+            own: dict[str, Any] = {}
+            if metrics:
+                metrics_ports[engine_id] = free_port()
+                own["metrics_base_port"] = metrics_ports[engine_id] - 1  # the connector serves rank r on base + 1 + r
             bind = [core] if tp == 1 else [on[r % len(on)] for r in range(tp)]
             srv = VllmServer(
                 model_dir,
@@ -139,7 +149,7 @@ def pd_cluster(
                     engine_id,
                     sched.address,
                     f"http://127.0.0.1:{port}",
-                    **{**sched.connector_extra(role, engine_id), **(extra or {})},
+                    **{**sched.connector_extra(role, engine_id), **(extra or {}), **own},
                 ),
                 env={**env_common, **omp_bind(*bind)},
                 extra_args=["--tensor-parallel-size", str(tp)] if tp > 1 else [],
@@ -160,7 +170,9 @@ def pd_cluster(
             )
             servers.append((baseline, on[0]))
         started = start_side_by_side(servers, ready_timeout_s(400.0))
-        cluster = PDCluster(sched, started[0], started[prefills], baseline, prefills=started[:prefills])
+        cluster = PDCluster(
+            sched, started[0], started[prefills], baseline, prefills=started[:prefills], metrics_ports=metrics_ports
+        )
         cluster.wait_registered()
         yield cluster
     finally:
