@@ -77,9 +77,10 @@ class ConnectorConfig:
     # The engine process's GIL switch interval (sys.setswitchinterval), 0: Python's (5 ms); unset:
     # the role's default (GIL_SWITCH_INTERVAL_DEFAULT_US). With the model in the EngineCore process
     # (the uni executor), the connector's threads wait for the GIL behind the engine loop. On
-    # prefill 500 µs cut the hand-off's paired TTFT cost from +6.0-7.9 to +4.1 ms; on decode it
-    # made every decode step 2-11 % slower (more GIL hand-offs to vLLM's own output thread), and
-    # decode's connector work is done on the engine thread at each step's end or while it idles
+    # prefill 500 µs cut the hand-off's paired TTFT cost from +6.0-7.9 to +4.1 ms. Decode takes
+    # its NIXL notices on the engine thread at each step's end or while the engine idles, and with
+    # 500 µs its plain decode steps were slower in 3 of 5 launches (median +3.7 % TPOT, -6.9 to
+    # +11.3 %, the interval toggled between requests of one process), so it keeps Python's
     # (docs/bench_phases.md).
     gil_switch_interval_us: float | None = None
     # NIXL UCX backend's error handling: "" keeps NIXL's default ("peer": dead peers detected on
