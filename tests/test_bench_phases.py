@@ -8,6 +8,7 @@ import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,12 @@ def _line(event: str, at_ms: float, **kw: str) -> str:
 
 def _t(ms: float) -> float:
     return T0 + ms / 1e3
+
+
+def _markdown(res: dict[str, Any]) -> str:
+    """The report of an analysed run, with the run's own settings filled in."""
+    run = {"config": {"prompt_len": 1024, "output_len": 3, "plain_instance_core": 0}, "host": "2 CPUs"}
+    return phases.markdown({**res, **run, "load_before": 1.0, "load_after": 1.0})
 
 
 def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_path: Path) -> None:
@@ -152,15 +159,7 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
             [{k: v for k, v in row.items() if k not in ("plain_instance", "plain_d_quiet")}], phases.Trace(p_log, d_log)
         )["paired"]
     )
-    md = phases.markdown(
-        {
-            **res,
-            "config": {"prompt_len": 1024, "output_len": 3, "plain_instance_core": 0},
-            "load_before": 1.0,
-            "load_after": 1.0,
-            "host": "2 CPUs",
-        }
-    )
+    md = _markdown(res)
     assert "| → request finished (sampled, output built) | 3.0 | 7.0 | +4.0 | 3.0 | +0.0 |" in md
     assert "| plain request while a P/D transfer waits on the decode engine | 11.00 | 1.100 |" in md
     assert "| the kvpush decode engine, plain request | 9.00 | 1.125 |" in md
@@ -190,15 +189,7 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
     assert d2["tpot_ratio_generate_to_plain_pair"] == pytest.approx(16 / 9.5, abs=0.001)
     assert d2["tpot2_ratio_generate_to_plain_pair"] == pytest.approx(12 / 10, abs=0.001)
     assert d2["tpot_ratio_decode_engine_to_plain_instance"] == d["tpot_ratio_decode_engine_to_plain_instance"]
-    md2 = phases.markdown(
-        {
-            **res2,
-            "config": {"prompt_len": 1024, "output_len": 3, "plain_instance_core": 0},
-            "load_before": 1.0,
-            "load_after": 1.0,
-            "host": "2 CPUs",
-        }
-    )
+    md2 = _markdown(res2)
     assert "| TPOT per request, the twin | 11.00 | 1.375 |" in md2
     assert "| `Generate` TPOT per request, against both plain vLLMs' mean | | 1.684 |" in md2
 
