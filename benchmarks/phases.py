@@ -22,7 +22,7 @@ connector's step trace on (``trace_steps``). For each prompt, one after another 
    (the P/D TPOT is decoded there too); the pause also follows this step. With ``--plain-twin`` a
    second plain vLLM, identical and started beside the first, joins the rotation: how far apart
    two launches of the very same engine are in this run, the yardstick for every ratio above
-   (0.81-1.02x between two plain vLLMs on one core of the 2-core VM, measured).
+   (0.81-1.27x between two plain vLLMs on one core of the 2-core VM, measured: docs/bench_phases.md).
 
 The same prompt on the same engine, minutes apart at most: the differences are what the P/D path
 adds, free of the launch-to-launch variance that separates two launches of one plain instance
