@@ -431,12 +431,10 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
             diffs[f"{kind}_ratio_generate_to_plain_pair"] = float(
                 np.nanmedian(np.array(series[f"generate.{kind}_quiet"]) / both)
             )
-        diffs["tpot_ratio_decode_engine_to_plain_pair"] = float(
-            np.nanmedian(
-                np.array(series["plain.tpot_decode_quiet"])
-                / ((np.array(series["plain.tpot_twin_quiet"]) + np.array(series["plain.tpot_instance_quiet"])) / 2)
-            )
-        )
+            if kind == "tpot":
+                diffs["tpot_ratio_decode_engine_to_plain_pair"] = float(
+                    np.nanmedian(np.array(series["plain.tpot_decode_quiet"]) / both)
+                )
         diffs["cpu_ratio_twin_to_plain_instance"] = ratio("plain.cpu_twin_quiet", "plain.cpu_instance_quiet")
     return {"n": len(series.get("pd.answer", [])), "p50_ms": p50, "paired": diffs, "series_ms": series}
 

@@ -321,11 +321,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
                         now,
                         notice_key=e.completion_key,
                     )
-                    held = self._early.pop((e.transfer_id, e.epoch), None)
-                    if held is not None:
-                        self._early_count -= len(held[1])
-                if held is not None:
-                    early.extend(held[1])
+                    early.extend(self._pop_early((e.transfer_id, e.epoch)))
                 results.append(pb.ExpectResult())
             except CompletionError as exc:
                 code = _status(exc)
@@ -424,18 +420,24 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self._early_count += 1
         metrics.COMPLETION_NOTICES.labels(outcome="early").inc()
         while self._early_count > MAX_EARLY_NOTICES:
-            _, (_, dropped) = self._early.popitem(last=False)
-            self._early_count -= len(dropped)
+            dropped = self._pop_early(next(iter(self._early)))
             metrics.COMPLETION_NOTICES.labels(outcome="unknown").inc(len(dropped))
+
+    def _pop_early(self, key: tuple[str, int]) -> list[pb.CompletionNotice]:
+        """Under _table_lock: the notices held for ``key`` (none: empty), no longer held."""
+        held = self._early.pop(key, None)
+        if held is None:
+            return []
+        self._early_count -= len(held[1])
+        return held[1]
 
     def _expire_early(self, now: float) -> None:
         """Under _table_lock: notices whose expectation did not come within expect_wait_s."""
         while self._early:
-            key, (since, dropped) = next(iter(self._early.items()))
+            key, (since, _) = next(iter(self._early.items()))
             if since + self.config.expect_wait_s > now:
                 break
-            del self._early[key]
-            self._early_count -= len(dropped)
+            dropped = self._pop_early(key)
             metrics.COMPLETION_NOTICES.labels(outcome="unknown").inc(len(dropped))
             log.debug("completion_notice_unknown", transfer_id=key[0], reason="its expectation never came")
 
