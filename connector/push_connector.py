@@ -58,6 +58,10 @@ class KvPushConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerHalf | None = None
         self.worker: WorkerHalf | None = None
         self._load_errors: set[int] = set()
+        self._decode = self.cfg.role == "decode"
+        from kvpush.connector.messages import PushMetadata
+
+        self._push_metadata_type = PushMetadata  # imported here: this module loads in the API server too
         if role == KVConnectorRole.SCHEDULER:
             if self.cfg.role == "decode":
                 from kvpush.connector.decode_scheduler import DecodeScheduler
@@ -105,7 +109,9 @@ class KvPushConnector(KVConnectorBase_V1):
         return self._sched.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if self.cfg.role == "decode":
+        if self._decode:
+            if not connector_output.finished_recving and not connector_output.failed_recving:
+                return  # most steps (this runs in every step of the engine loop)
             finished = set(connector_output.finished_recving or ())
             self._sched.update_connector_output(finished, set(connector_output.failed_recving or ()))
             if finished:
@@ -142,11 +148,14 @@ class KvPushConnector(KVConnectorBase_V1):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._worker.handshake()
 
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        from kvpush.connector.messages import PushMetadata
+    # The worker-side hooks below run in every step of the engine loop: each keeps its path short
+    # when the step moves no transfer (docs/bench_phases.md, "The connector's cost per step").
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        self._worker.step_started(connector_metadata if isinstance(connector_metadata, PushMetadata) else None)
+        self._worker.step_started(
+            connector_metadata if isinstance(connector_metadata, self._push_metadata_type) else None
+        )
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None  # decode never loads: prefill pushes
@@ -158,17 +167,15 @@ class KvPushConnector(KVConnectorBase_V1):
         return None
 
     def wait_for_save(self) -> None:
-        from kvpush.connector.messages import PushMetadata
-
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        meta = self._connector_metadata  # this step's, bound by bind_connector_metadata (or None)
         if self._trace is not None:
             self._trace.info("forward_done")
-        self._worker.wait_for_save(meta if isinstance(meta, PushMetadata) else None)
+        self._worker.wait_for_save(meta if isinstance(meta, self._push_metadata_type) else None)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        if self.worker is None:
+        res = self.worker.transfer_results(finished_req_ids) if self.worker is not None else None
+        if res is None:
             return KVConnectorTransferResults()
-        res = self.worker.transfer_results(finished_req_ids)
         self._load_errors = res.invalid_block_ids
         return KVConnectorTransferResults(
             finished_sending=res.finished_sending,

@@ -64,6 +64,7 @@ class WorkerHalf(Protocol):
     def wait_for_save(self, meta: PushMetadata | None) -> None:
         """After the step's forward was launched (prefill: hand the step's transfers to the writer)."""
 
-    def transfer_results(self, finished_req_ids: set[str]) -> TransferResults: ...
+    def transfer_results(self, finished_req_ids: set[str]) -> TransferResults | None:
+        """This step's report; None when there is nothing to report (the common step)."""
 
     def shutdown(self) -> None: ...

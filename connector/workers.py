@@ -112,8 +112,15 @@ class DecodeWorker:
         """Decode saves nothing (prefill pushes into it); before this step samples, it takes the
         first-token hand-off's bookkeeping: which requests wait for their token as well as their
         KV, whose token came (or who ended first), and whose seeded sampler to advance now."""
-        if meta is None:
-            return
+        if meta is None or not (
+            meta.awaiting_first_token
+            or meta.first_token_delivered
+            or meta.first_token_abandoned
+            or meta.fail_loads
+            or meta.veto_blocks
+            or meta.advance_sampler
+        ):
+            return  # most steps: no hand-off moved (this runs in every step of the engine loop)
         self._needs_token.update(meta.awaiting_first_token)
         for rid in (*meta.first_token_delivered, *meta.first_token_abandoned):
             self._needs_token.discard(rid)
@@ -128,12 +135,22 @@ class DecodeWorker:
             if not sampler_state.advance_one_step(rid):
                 log.warning("sampler_not_advanced", request_id=rid)
 
-    def transfer_results(self, finished_req_ids: set[str] | None = None) -> TransferResults:
+    def transfer_results(self, finished_req_ids: set[str] | None = None) -> TransferResults | None:
         """Requests the rank's barriers released (finished_recving), each exactly once; those not
         released OK also in failed_recving. A request waiting for its first token (hand-off) is
         reported once its token was appended, or as failed after ``first_token_wait_s``; a load
         the scheduler half refused (``PushMetadata.fail_loads``) is reported failed at once, and a
-        vetoed request's block (``PushMetadata.veto_blocks``) as one that failed to load."""
+        vetoed request's block (``PushMetadata.veto_blocks``) as one that failed to load. None:
+        nothing to report (most steps; this runs in every step of the engine loop)."""
+        rank = self.rank
+        released: list[Released] = []
+        now = 0.0
+        if rank is not None:
+            now = time.monotonic()
+            rank.step_ended(now)
+            released = rank.take_released()
+        if not (released or self._veto_blocks or self._fail_now or self._ready or self._held):
+            return None
         out = TransferResults()
         if self._veto_blocks:
             out.invalid_block_ids, self._veto_blocks = self._veto_blocks, set()
@@ -141,11 +158,8 @@ class DecodeWorker:
             out.finished_recving.update(self._fail_now)
             out.failed_recving.update(self._fail_now)
             self._fail_now.clear()
-        if self.rank is None:
+        if rank is None:
             return out
-        now = time.monotonic()
-        self.rank.step_ended(now)
-        released: list[Released] = self.rank.take_released()
         for rel in released:
             if rel.outcome is Outcome.OK and rel.request_id in self._needs_token:
                 self._held[rel.request_id] = (rel, now + self.cfg.first_token_wait_s)
@@ -162,7 +176,7 @@ class DecodeWorker:
                     self._needs_token.discard(rid)
                     log.warning("first_token_timeout", request_id=rid, transfer_id=rel.transfer_id)
                     self._report(out, rel, False)
-            self.rank.awaiting_first_tokens(bool(self._needs_token))
+            rank.awaiting_first_tokens(bool(self._needs_token))
         return out
 
     @staticmethod

@@ -19,6 +19,7 @@ from vllm.v1.request import Request
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.decode_scheduler import DecodeScheduler, append_first_token
 from kvpush.connector.legs import LegGate
+from kvpush.connector.roles import TransferResults
 from kvpush.connector.sampler_state import WORKER_QUALNAME
 from kvpush.connector.workers import DecodeWorker
 from kvpush.services.common import transfer_params
@@ -29,6 +30,11 @@ from kvpush.services.decode_agent.cadence import PollCadence
 from kvpush.v1 import kvpush_pb2 as pb
 
 BLOCK = 16
+
+
+def _results(w: DecodeWorker) -> TransferResults:
+    """The worker's report for a step; None (nothing to report) as an empty one."""
+    return w.transfer_results() or TransferResults()
 
 
 def _vllm(worker_cls: str = WORKER_QUALNAME, policy: str = "fail", vocab: int = 1000) -> Any:
@@ -276,7 +282,7 @@ def test_a_duplicate_handoff_leg_fails_instead_of_repeating_the_token() -> None:
     assert s._holders == {"t": "r1"} and list(agent.prompts) == ["t"]  # the duplicate reserved nothing
     w, _ = _worker()
     w.wait_for_save(meta)
-    out = w.transfer_results()
+    out = _results(w)
     assert out.finished_recving == {"r2"} and out.failed_recving == {"r2"}
     assert _step(s).fail_loads == []  # once
     s.request_finished(dup)
@@ -327,7 +333,7 @@ def test_a_refused_handoff_leg_fails_instead_of_repeating_the_token(refusal: str
     assert meta.fail_loads == ["r"] and meta.awaiting_first_token == [] and agent.prompts == {}
     w, _ = _worker()
     w.wait_for_save(meta)
-    out = w.transfer_results()
+    out = _results(w)
     assert out.finished_recving == {"r"} and out.failed_recving == {"r"}
     s.request_finished(r)
     assert s._handoff_refused == {} and s._tried == set()
@@ -439,8 +445,8 @@ def test_a_vetoed_request_never_names_a_block_another_request_may_share() -> Non
 def test_worker_reports_vetoed_blocks_as_failed_loads_once() -> None:
     w, _ = _worker()
     w.wait_for_save(_meta(veto_blocks=[13, 21]))
-    assert w.transfer_results().invalid_block_ids == {13, 21}
-    assert w.transfer_results().invalid_block_ids == set()
+    assert _results(w).invalid_block_ids == {13, 21}
+    assert _results(w).invalid_block_ids == set()
 
 
 def test_legs_without_the_handoff_wait_for_nothing() -> None:
@@ -496,19 +502,19 @@ def test_worker_releases_a_landed_transfer_only_with_its_token() -> None:
     w.wait_for_save(_meta(awaiting_first_token=["a", "b"]))
     assert rank.tokens_awaited  # the rank keeps NIXL progressing for the tokens' notices
     rank.released = [_released("a"), _released("b"), _released("c")]
-    out = w.transfer_results()
+    out = _results(w)
     assert out.finished_recving == {"c"}  # a and b wait for their tokens
     w.wait_for_save(_meta(first_token_delivered=["a"]))
-    out = w.transfer_results()
+    out = _results(w)
     assert out.finished_recving == {"a"} and not out.failed_recving
     # Token first, KV after: released at once.
     w.wait_for_save(_meta(awaiting_first_token=["d"]))
     w.wait_for_save(_meta(first_token_delivered=["d"]))
     rank.released = [_released("d")]
-    assert w.transfer_results().finished_recving == {"d"}
+    assert _results(w).finished_recving == {"d"}
     # Ended while waiting: reported (vLLM frees its blocks), as failed only if the load failed.
     w.wait_for_save(_meta(first_token_abandoned=["b"]))
-    out = w.transfer_results()
+    out = _results(w)
     assert out.finished_recving == {"b"} and not out.failed_recving
     assert not rank.tokens_awaited  # no request waits for a token any more
 
@@ -517,8 +523,8 @@ def test_worker_fails_a_transfer_whose_token_never_came() -> None:
     w, rank = _worker(wait_s=0.0)
     w.wait_for_save(_meta(awaiting_first_token=["a"]))
     rank.released = [_released("a")]
-    assert w.transfer_results().finished_recving == set()  # held until the deadline passes
-    out = w.transfer_results()
+    assert _results(w).finished_recving == set()  # held until the deadline passes
+    out = _results(w)
     assert out.finished_recving == {"a"} and out.failed_recving == {"a"}
     assert not w._held and not w._needs_token and not rank.tokens_awaited
 
@@ -527,7 +533,7 @@ def test_worker_reports_a_failed_load_at_once_even_without_its_token() -> None:
     w, rank = _worker()
     w.wait_for_save(_meta(awaiting_first_token=["a"]))
     rank.released = [_released("a", Outcome.FAILED)]
-    out = w.transfer_results()
+    out = _results(w)
     assert out.finished_recving == {"a"} and out.failed_recving == {"a"}
 
 

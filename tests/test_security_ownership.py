@@ -395,6 +395,7 @@ def test_decode_worker_reports_only_ok_as_a_successful_load() -> None:
     ]
     w.rank = SimpleNamespace(take_released=lambda: rels, step_ended=PollCadence().step_ended)  # type: ignore[assignment]
     results = w.transfer_results()
+    assert results is not None
     done, failed = results.finished_recving, results.failed_recving
     assert done == {"ok-req", "failed-req", "cancelled-req"}
     assert failed == {"failed-req", "cancelled-req"}

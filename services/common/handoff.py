@@ -20,6 +20,10 @@ class Handoff(Generic[T]):
 
     def take(self, timeout_s: float = 0.0) -> list[T]:
         """Everything handed over so far, waiting up to ``timeout_s`` for at least one item."""
+        if not self._items and timeout_s <= 0:
+            # Nothing handed over: no lock (the decode engine asks at every step). An item put
+            # while this returns is taken by the next call; ``put`` is what wakes the taker.
+            return []
         with self._cv:
             if not self._items and timeout_s > 0:
                 self._cv.wait(timeout_s)
