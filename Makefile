@@ -6,7 +6,7 @@ export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install system-deps lock proto proto-check typecheck check test test-mp test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff bench-phases bench-request-start soak test-faults demo certs install-systemd clean
+.PHONY: install system-deps lock proto proto-check typecheck check test test-mp test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff bench-phases bench-connector-cost bench-request-start soak test-faults demo certs install-systemd clean
 
 # Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
 install:
@@ -80,6 +80,11 @@ bench-handoff: install
 # Where a P/D request's time goes, paired with plain requests on the same engines (benchmarks/phases.py).
 bench-phases: install
 	$(PY) -m benchmarks.phases $(ARGS)
+
+# What the connector costs a decode engine per step: its hooks and threads switched off and on
+# inside one launch, paired per prompt (benchmarks/connector_cost.py).
+bench-connector-cost: install
+	$(PY) -m benchmarks.connector_cost $(ARGS)
 
 # What vLLM itself takes to start a request whose prompt KV is cached (a prefix hit on one plain
 # instance): the floor under P/D's "D release -> first token" (benchmarks/request_start.py).

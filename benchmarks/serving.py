@@ -194,9 +194,12 @@ class Harness:
         from scripts.cluster.vllm import omp_bind
 
         a = self.args
-        pythonpath = [str(ROOT)]
+        env = dict(env)
+        # A PYTHONPATH in the server's own environment goes first (a benchmark's probe), not instead.
+        pythonpath = [p for p in env.pop("PYTHONPATH", "").split(os.pathsep) if p]
         if self.shim is not None:
-            pythonpath.insert(0, str(self.shim))
+            pythonpath.append(str(self.shim))
+        pythonpath.append(str(ROOT))
         if os.environ.get("PYTHONPATH"):
             pythonpath.append(os.environ["PYTHONPATH"])
         base_env = {
