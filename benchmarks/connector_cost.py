@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
-import platform
 import signal
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -248,19 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     t_start = time.monotonic()
     rows = asyncio.run(measure(h, args, control, prompts))
     res = analyse(rows)
-    res.update(
-        rows=rows,
-        config={k: (serving._relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        host=f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
-        load_before=load_before,
-        load_after=os.getloadavg()[0],
-        total_seconds=time.monotonic() - t_start,
-    )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    args.out.with_suffix(".md").write_text(md)
-    sys.stdout.write(md + f"\nresults: {args.out}; {res['total_seconds']:.0f} s\n")
+    res["rows"] = rows
+    serving.write_report(args, res, markdown, load_before, t_start)
     return 0
 
 

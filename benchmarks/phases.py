@@ -40,11 +40,8 @@ import asyncio
 import bisect
 import contextlib
 import functools
-import json
 import os
-import platform
 import re
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator, Sequence
@@ -632,18 +629,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = asyncio.run(measure(pair, args, prompts, plain, twin))
         trace = Trace(pair.prefill.log_path, pair.decode.log_path)
     res = analyse(rows, trace)
-    res.update(
-        config={k: (serving._relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        host=f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
-        load_before=load_before,
-        load_after=os.getloadavg()[0],
-        total_seconds=time.monotonic() - t_start,
-    )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(res, indent=1))
-    md = markdown(res)
-    args.out.with_suffix(".md").write_text(md)
-    sys.stdout.write(md + f"\nresults: {args.out}; {res['total_seconds']:.0f} s\n")
+    serving.write_report(args, res, markdown, load_before, t_start)
     return 0
 
 

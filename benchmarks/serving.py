@@ -53,7 +53,7 @@ import statistics
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -818,6 +818,29 @@ def _relative(path: Path) -> str:
         return str(path.resolve().relative_to(root))
     except ValueError:
         return path.name
+
+
+def write_report(
+    args: argparse.Namespace,
+    res: dict[str, Any],
+    markdown: Callable[[dict[str, Any]], str],
+    load_before: float,
+    started: float,
+) -> None:
+    """A paired benchmark's ending: adds its configuration, host, load averages and duration to
+    ``res``, writes it as JSON to ``args.out`` and its markdown beside it, and prints the markdown."""
+    res.update(
+        config={k: (_relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        host=f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
+        load_before=load_before,
+        load_after=os.getloadavg()[0],
+        total_seconds=time.monotonic() - started,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    args.out.with_suffix(".md").write_text(md)
+    sys.stdout.write(md + f"\nresults: {args.out}; {res['total_seconds']:.0f} s\n")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -517,3 +517,18 @@ def test_measure_interleaved_sends_each_setup_its_own_requests_in_one_stream(tmp
 def test_interleave_flag() -> None:
     assert sv.parse_args(["--interleave"]).interleave is True
     assert sv.parse_args([]).interleave is False
+
+
+def test_a_paired_benchmark_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+    import json
+    import time
+
+    args = argparse.Namespace(out=tmp_path / "r.json", log_dir=tmp_path / "logs", rounds=3)
+    res: dict[str, Any] = {"p50": 1.5}
+    sv.write_report(args, res, lambda r: f"p50 {r['p50']} load {r['load_before']}", 0.25, time.monotonic())
+    written = json.loads(args.out.read_text())
+    assert written["p50"] == 1.5 and written["load_before"] == 0.25 and written["total_seconds"] >= 0
+    assert written["config"]["rounds"] == 3 and written["config"]["log_dir"] == "logs"  # outside the repo: its name
+    assert args.out.with_suffix(".md").read_text() == "p50 1.5 load 0.25"
+    assert "p50 1.5 load 0.25" in capsys.readouterr().out

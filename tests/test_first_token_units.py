@@ -465,9 +465,11 @@ class _Rank:
         self.released: list[Released] = []
         self.cadence = PollCadence()
         self.tokens_awaited = False
+        self.awaited_calls: list[bool] = []  # every report, to tell "not called" from "called with False"
 
     def awaiting_first_tokens(self, awaited: bool) -> None:
         self.tokens_awaited = awaited
+        self.awaited_calls.append(awaited)
 
     def forward_started(self) -> None:
         self.cadence.forward_started()

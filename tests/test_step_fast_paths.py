@@ -9,40 +9,11 @@ from types import SimpleNamespace
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
 
-from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.messages import PushMetadata
 from kvpush.connector.push_connector import KvPushConnector
-from kvpush.connector.workers import DecodeWorker
 from kvpush.services.common.handoff import Handoff
 from kvpush.services.decode_agent.barrier import Outcome, Released
-from kvpush.services.decode_agent.cadence import PollCadence
-
-
-class _Rank:
-    def __init__(self) -> None:
-        self.cadence = PollCadence()
-        self.released: list[Released] = []
-        self.awaited: list[bool] = []
-
-    def forward_started(self) -> None:
-        self.cadence.forward_started()
-
-    def step_ended(self, now: float) -> None:
-        self.cadence.step_ended(now)
-
-    def take_released(self) -> list[Released]:
-        out, self.released = self.released, []
-        return out
-
-    def awaiting_first_tokens(self, awaited: bool) -> None:
-        self.awaited.append(awaited)
-
-
-def _worker() -> tuple[DecodeWorker, _Rank]:
-    w = DecodeWorker(ConnectorConfig(engine_id="d0", role="decode", insecure=True), "m")
-    rank = _Rank()
-    w.rank = rank  # type: ignore[assignment]
-    return w, rank
+from tests.test_first_token_units import _worker
 
 
 def test_an_empty_handoff_answers_without_its_lock() -> None:
@@ -83,7 +54,7 @@ def test_a_quiet_step_reports_nothing_but_still_ends_the_forward() -> None:
 def test_a_release_held_for_its_token_keeps_the_full_path_until_reported() -> None:
     w, rank = _worker()
     w.wait_for_save(PushMetadata(awaiting_first_token=["r"]))
-    assert rank.awaited == [True]
+    assert rank.awaited_calls == [True]
     rank.released = [Released("t", 1, "r", Outcome.OK, "")]
     held = w.transfer_results(set())
     assert held is not None and held.finished_recving == set()  # held for its token, not dropped
@@ -98,9 +69,9 @@ def test_a_step_without_hand_off_bookkeeping_leaves_the_rank_alone() -> None:
     w, rank = _worker()
     w.wait_for_save(PushMetadata(forward_tokens=5))
     w.wait_for_save(None)
-    assert rank.awaited == []
+    assert rank.awaited_calls == []
     w.wait_for_save(PushMetadata(fail_loads=["x"]))
-    assert rank.awaited == [False]
+    assert rank.awaited_calls == [False]
     out = w.transfer_results(set())
     assert out is not None and out.finished_recving == {"x"} and out.failed_recving == {"x"}
 
