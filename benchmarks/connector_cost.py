@@ -214,33 +214,9 @@ async def measure(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if not (args.model_dir / "config.json").exists():
-        from scripts.cluster.vllm import make_model
-
-        make_model(args.model_dir)
     control = args.log_dir / "probe-control"
-    sargs = serving.parse_args(
-        [
-            "--model-dir",
-            str(args.model_dir),
-            "--log-dir",
-            str(args.log_dir),
-            "--prompt-lens",
-            str(args.prompt_len),
-            "--max-tokens",
-            str(args.output_len),
-            "--decode-env",
-            f"KVPUSH_ENGINE_PROBE={control}",
-            "--decode-env",
-            f"PYTHONPATH={PROBE_PATH}",
-        ]
-    )
-    h = serving.Harness(sargs)
-    rng = np.random.default_rng(args.seed)
-    prompts = [
-        [int(t) for t in rng.integers(10, h.model.vocab - 10, size=args.prompt_len)]
-        for _ in range(args.warmup + args.rounds)
-    ]
+    probe = ["--decode-env", f"KVPUSH_ENGINE_PROBE={control}", "--decode-env", f"PYTHONPATH={PROBE_PATH}"]
+    h, prompts = serving.paired_setup(args, probe, args.warmup + args.rounds)
     load_before = os.getloadavg()[0]
     t_start = time.monotonic()
     rows = asyncio.run(measure(h, args, control, prompts))

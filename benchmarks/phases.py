@@ -598,31 +598,8 @@ def _plain_instances(h: serving.Harness, core: int | None, twin: bool) -> Iterat
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if not (args.model_dir / "config.json").exists():
-        from scripts.cluster.vllm import make_model
-
-        make_model(args.model_dir)
-    sargs = serving.parse_args(
-        [
-            "--model-dir",
-            str(args.model_dir),
-            "--log-dir",
-            str(args.log_dir),
-            "--prompt-lens",
-            str(args.prompt_len),
-            "--max-tokens",
-            str(args.output_len),
-            "--connector-extra",
-            "trace_steps=true",
-            *args.serving_arg,
-        ]
-    )
-    h = serving.Harness(sargs)
-    rng = np.random.default_rng(args.seed)
-    prompts = [
-        [int(t) for t in rng.integers(10, h.model.vocab - 10, size=args.prompt_len)]
-        for _ in range(args.warmup + args.requests)
-    ]
+    extra = ["--connector-extra", "trace_steps=true", *args.serving_arg]
+    h, prompts = serving.paired_setup(args, extra, args.warmup + args.requests)
     load_before = os.getloadavg()[0]
     t_start = time.monotonic()
     with h.pair("ours") as pair, _plain_instances(h, args.plain_instance_core, args.plain_twin) as (plain, twin):

@@ -820,6 +820,32 @@ def _relative(path: Path) -> str:
         return path.name
 
 
+def paired_setup(args: argparse.Namespace, extra: Sequence[str], count: int) -> tuple[Harness, list[list[int]]]:
+    """A paired benchmark's start: the model (made when missing), a harness for its engines with
+    ``extra`` serving arguments, and ``count`` seeded random prompts of ``args.prompt_len`` tokens."""
+    if not (args.model_dir / "config.json").exists():
+        from scripts.cluster.vllm import make_model
+
+        make_model(args.model_dir)
+    sargs = parse_args(
+        [
+            "--model-dir",
+            str(args.model_dir),
+            "--log-dir",
+            str(args.log_dir),
+            "--prompt-lens",
+            str(args.prompt_len),
+            "--max-tokens",
+            str(args.output_len),
+            *extra,
+        ]
+    )
+    h = Harness(sargs)
+    rng = np.random.default_rng(args.seed)
+    prompts = [[int(t) for t in rng.integers(10, h.model.vocab - 10, size=args.prompt_len)] for _ in range(count)]
+    return h, prompts
+
+
 def write_report(
     args: argparse.Namespace,
     res: dict[str, Any],
