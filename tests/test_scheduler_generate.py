@@ -120,6 +120,10 @@ async def cluster(
                     stub, info("d0", http=d.url, first_token_handoff=handoff, vocab_size=vocab[1])
                 ).start(),
             ]
+            # Registered is not yet pushable: the scheduler opens an instance's outbox with its load
+            # stream's first report, and acks that report after (a leg failure pushed before then is
+            # undelivered by design: decode fails over at the reservation lease instead).
+            await wait_for(lambda: all(i.acks for i in insts))
             yield server, stub, p, d, insts
             for i in insts:
                 with contextlib.suppress(Exception):
