@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import serving, serving_proxies
+from benchmarks import paired, serving, serving_proxies
 from benchmarks.connector_bypass import MODES
 from benchmarks.phases import _stream
 
@@ -115,19 +115,19 @@ def analyse(rows: dict[str, list[dict[str, float]]], seed: int = 0) -> dict[str,
     for mode in modes:
         out["p50"][mode] = {k: float(np.median([r[k] for r in rows[mode]])) for k in METRICS}
     for mode in modes[1:]:
-        paired: dict[str, Any] = {}
+        ratios: dict[str, Any] = {}
         for k in METRICS:
             x = np.array([a[k] / b[k] for a, b in zip(rows[mode], rows[base], strict=True) if a[k] > 0 and b[k] > 0])
             if len(x) == 0:
                 continue
-            paired[k] = {
+            ratios[k] = {
                 "median": float(np.median(x)),
                 "median_ci90": _bootstrap(x, np.median, rng),
                 "geomean": _geomean(x),
                 "geomean_ci90": _bootstrap(x, _geomean, rng),
                 "n": len(x),
             }
-        out["paired"][mode] = paired
+        out["paired"][mode] = ratios
     return out
 
 
@@ -148,8 +148,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines += ["", f"Paired per prompt against `{base}` (90 % bootstrap intervals):", ""]
     lines.append("| mode | metric | median ratio | interval | geometric mean | interval |")
     lines.append("|---|---|---:|---|---:|---|")
-    for mode, paired in res["paired"].items():
-        for k, v in paired.items():
+    for mode, by_metric in res["paired"].items():
+        for k, v in by_metric.items():
             lo, hi = v["median_ci90"]
             glo, ghi = v["geomean_ci90"]
             lines.append(
@@ -216,13 +216,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     control = args.log_dir / "probe-control"
     probe = ["--decode-env", f"KVPUSH_ENGINE_PROBE={control}", "--decode-env", f"PYTHONPATH={PROBE_PATH}"]
-    h, prompts = serving.paired_setup(args, probe, args.warmup + args.rounds)
+    h, prompts = paired.setup(args, probe, args.warmup + args.rounds)
     load_before = os.getloadavg()[0]
     t_start = time.monotonic()
     rows = asyncio.run(measure(h, args, control, prompts))
     res = analyse(rows)
     res["rows"] = rows
-    serving.write_report(args, res, markdown, load_before, t_start)
+    paired.write_report(args, res, markdown, load_before, t_start)
     return 0
 
 

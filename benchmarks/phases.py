@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import serving, serving_proxies
+from benchmarks import paired, serving, serving_proxies
 
 ROOT = Path(__file__).resolve().parent.parent
 _RID = re.compile(r"[0-9a-f]{32}")
@@ -599,14 +599,14 @@ def _plain_instances(h: serving.Harness, core: int | None, twin: bool) -> Iterat
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     extra = ["--connector-extra", "trace_steps=true", *args.serving_arg]
-    h, prompts = serving.paired_setup(args, extra, args.warmup + args.requests)
+    h, prompts = paired.setup(args, extra, args.warmup + args.requests)
     load_before = os.getloadavg()[0]
     t_start = time.monotonic()
     with h.pair("ours") as pair, _plain_instances(h, args.plain_instance_core, args.plain_twin) as (plain, twin):
         rows = asyncio.run(measure(pair, args, prompts, plain, twin))
         trace = Trace(pair.prefill.log_path, pair.decode.log_path)
     res = analyse(rows, trace)
-    serving.write_report(args, res, markdown, load_before, t_start)
+    paired.write_report(args, res, markdown, load_before, t_start)
     return 0
 
 

@@ -526,7 +526,9 @@ def test_a_paired_benchmark_writes_its_report(tmp_path: Path, capsys: pytest.Cap
 
     args = argparse.Namespace(out=tmp_path / "r.json", log_dir=tmp_path / "logs", rounds=3)
     res: dict[str, Any] = {"p50": 1.5}
-    sv.write_report(args, res, lambda r: f"p50 {r['p50']} load {r['load_before']}", 0.25, time.monotonic())
+    from benchmarks.paired import write_report
+
+    write_report(args, res, lambda r: f"p50 {r['p50']} load {r['load_before']}", 0.25, time.monotonic())
     written = json.loads(args.out.read_text())
     assert written["p50"] == 1.5 and written["load_before"] == 0.25 and written["total_seconds"] >= 0
     assert written["config"]["rounds"] == 3 and written["config"]["log_dir"] == "logs"  # outside the repo: its name

@@ -1,0 +1,67 @@
+"""What the paired benchmarks (``make bench-phases``, ``make bench-connector-cost``) share: their
+start (the model, a harness, seeded prompts) and their report (JSON, markdown, printed)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.serving import Harness, _relative, parse_args
+
+
+def setup(args: argparse.Namespace, extra: Sequence[str], count: int) -> tuple[Harness, list[list[int]]]:
+    """A paired benchmark's start: the model (made when missing), a harness for its engines with
+    ``extra`` serving arguments, and ``count`` seeded random prompts of ``args.prompt_len`` tokens."""
+    if not (args.model_dir / "config.json").exists():
+        from scripts.cluster.vllm import make_model
+
+        make_model(args.model_dir)
+    sargs = parse_args(
+        [
+            "--model-dir",
+            str(args.model_dir),
+            "--log-dir",
+            str(args.log_dir),
+            "--prompt-lens",
+            str(args.prompt_len),
+            "--max-tokens",
+            str(args.output_len),
+            *extra,
+        ]
+    )
+    h = Harness(sargs)
+    rng = np.random.default_rng(args.seed)
+    prompts = [[int(t) for t in rng.integers(10, h.model.vocab - 10, size=args.prompt_len)] for _ in range(count)]
+    return h, prompts
+
+
+def write_report(
+    args: argparse.Namespace,
+    res: dict[str, Any],
+    markdown: Callable[[dict[str, Any]], str],
+    load_before: float,
+    started: float,
+) -> None:
+    """A paired benchmark's ending: adds its configuration, host, load averages and duration to
+    ``res``, writes it as JSON to ``args.out`` and its markdown beside it, and prints the markdown."""
+    res.update(
+        config={k: (_relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        host=f"{os.cpu_count()} CPUs, Python {platform.python_version()}",
+        load_before=load_before,
+        load_after=os.getloadavg()[0],
+        total_seconds=time.monotonic() - started,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(res, indent=1))
+    md = markdown(res)
+    args.out.with_suffix(".md").write_text(md)
+    sys.stdout.write(md + f"\nresults: {args.out}; {res['total_seconds']:.0f} s\n")
