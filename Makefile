@@ -6,7 +6,7 @@ export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install system-deps lock proto proto-check typecheck check test test-mp test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff bench-phases bench-connector-cost bench-request-start soak test-faults demo certs install-systemd clean
+.PHONY: install system-deps lock proto proto-check typecheck check test test-mp test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff bench-phases bench-connector-cost bench-relay bench-request-start soak test-faults demo certs install-systemd clean
 
 # Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
 install:
@@ -85,6 +85,11 @@ bench-phases: install
 # inside one launch, paired per prompt (benchmarks/connector_cost.py).
 bench-connector-cost: install
 	$(PY) -m benchmarks.connector_cost $(ARGS)
+
+# Generate's token relay alone (a fake engine, the real scheduler): CPU per relayed token at light
+# load and under many streams (benchmarks/relay.py).
+bench-relay: install
+	$(PY) -m benchmarks.relay $(ARGS)
 
 # What vLLM itself takes to start a request whose prompt KV is cached (a prefix hit on one plain
 # instance): the floor under P/D's "D release -> first token" (benchmarks/request_start.py).

@@ -106,7 +106,8 @@ class Bench:
         self._n += 1
         return self.stubs[self._n % len(self.stubs)]
 
-    async def register(self, decodes: int, prefills: int) -> None:
+    async def register(self, decodes: int, prefills: int, http_endpoint: str = "http://127.0.0.1:1") -> None:
+        """``http_endpoint``: the OpenAI server every fake instance names (none answers by default)."""
         for i, (_, name) in enumerate(_instance_names(decodes, prefills)):
             role = pb.ROLE_DECODE if i < decodes else pb.ROLE_PREFILL
             self.channels.append(_security(self.certs, name).aio_channel(self.address))
@@ -119,7 +120,7 @@ class Bench:
                 agent_endpoints=["127.0.0.1:1", "127.0.0.1:2"],
                 total_kv_blocks=4_000_000,
                 tokens_per_block=16,
-                http_endpoint="http://127.0.0.1:1",
+                http_endpoint=http_endpoint,
             )
             resp = await stub.Register(pb.RegisterRequest(instance=info), timeout=5)
             interval = resp.lease_interval_ms / 1000 / 2

@@ -177,3 +177,38 @@ def test_a_callers_cancel_stays_a_cancel_and_a_closed_stream_cuts_nothing_later(
             await client.close()
 
     asyncio.run(body())
+
+
+def test_the_events_of_one_read_go_on_as_one_chunk_and_a_bad_one_after_tokens_fails_after_them() -> None:
+    """Events that arrive together (decode ran ahead of the relay) become one chunk: one message to
+    the caller, not one per token. A bad event in the same read still fails the leg, after the
+    tokens before it went on."""
+    good = b"".join(_event(t) for t in (5, 6, 7)) + _event(8, "length") + b"data: [DONE]\n\n"
+    bad = _event(5) + _event(6) + b'data: {"error": {"message": "boom"}}\n\n'
+
+    def once(stream: bytes) -> Writer:
+        async def write(resp: web.StreamResponse) -> None:
+            await resp.write(stream)  # one write: one read on the other side, on loopback
+
+        return write
+
+    async def chunks(client: OpenAIClient, url: str, got: list[tuple[list[int], str]]) -> None:
+        async for chunk in client.decode(url, PARAMS, {}):
+            got.append((chunk.token_ids, chunk.finish_reason))
+
+    async def body() -> None:
+        client = OpenAIClient()
+        try:
+            async with server(once(good)) as url:
+                got: list[tuple[list[int], str]] = []
+                await asyncio.wait_for(chunks(client, url, got), WAIT_S)
+                assert got == [([5, 6, 7, 8], "length")]
+            async with server(once(bad)) as url:
+                got = []
+                with pytest.raises(LegError, match="boom"):
+                    await asyncio.wait_for(chunks(client, url, got), WAIT_S)
+                assert got == [([5, 6], "")]
+        finally:
+            await client.close()
+
+    asyncio.run(body())

@@ -143,7 +143,8 @@ def test_generate_streams_tokens_and_releases_ok() -> None:
     async def body() -> None:
         async with cluster(interval_s=1.0) as (server, stub, p, d, _):
             msgs = [m async for m in stub.Generate(_req(seed=7, request_id="r1"), timeout=WAIT_S)]
-            assert [list(m.token_ids) for m in msgs] == [[11], [12], [13], [14]]
+            # In order; how many per message is the relay's (back to back, they may share one).
+            assert [t for m in msgs for t in m.token_ids] == [11, 12, 13, 14]
             assert msgs[0].ttft_seconds > 0 and all(m.ttft_seconds == 0 for m in msgs[1:])
             assert msgs[-1].finished and msgs[-1].finish_reason == "length"
             assert not any(m.finished for m in msgs[:-1])
@@ -270,7 +271,7 @@ def test_generate_client_cancel_aborts_both_legs() -> None:
             call = stub.Generate(_req(), timeout=WAIT_S)
             msgs = aiter(call)
             first = await anext(msgs)
-            assert list(first.token_ids) == [11]
+            assert list(first.token_ids) in ([11], [11, 12, 13])  # tokens before the gate (maybe all at once)
             call.cancel()
             await asyncio.wait_for(d.disconnected.wait(), WAIT_S)
             await asyncio.wait_for(p.disconnected.wait(), WAIT_S)
@@ -567,7 +568,8 @@ def test_generate_streams_prefills_first_token_and_decode_continues() -> None:
             assert d.start_gate is not None
             d.start_gate.set()
             rest = [m async for m in msgs]
-            assert [list(m.token_ids) for m in rest] == [[12], [13], [14]]
+            assert [t for m in rest for t in m.token_ids] == [12, 13, 14]
+            assert not any(m.finished for m in rest[:-1])
             assert rest[-1].finished and rest[-1].finish_reason == "length"
             (dec,) = d.requests
             assert dec["max_tokens"] == 3
@@ -605,7 +607,7 @@ def test_no_handoff_without_a_decode_that_offers_it_or_for_one_token() -> None:
     async def body() -> None:
         async with cluster(interval_s=1.0) as (server, stub, p, d, _):
             msgs = [m async for m in stub.Generate(_req(max_tokens=4), timeout=WAIT_S)]
-            assert [list(m.token_ids) for m in msgs] == [[11], [12], [13], [14]]
+            assert [t for m in msgs for t in m.token_ids] == [11, 12, 13, 14]
             assert d.requests[0]["max_tokens"] == 4
             leg = transfer_params.parse(d.requests[0]["kv_transfer_params"])
             assert isinstance(leg, transfer_params.DecodeLeg) and not leg.first_token
@@ -743,10 +745,60 @@ def test_a_decode_leg_that_ends_before_the_relayed_token_waits_for_it(token_come
         if token_comes:
             first.set_result(pb.FirstToken(transfer_id="t1", token_id=11))
             await asyncio.wait_for(task, WAIT_S)
-            assert got == [[11], [12], [13]]
+            assert got == [[11], [12, 13]]  # the held chunks go on as one message
         else:
             with pytest.raises(LegError, match="first token did not come"):
                 await asyncio.wait_for(task, WAIT_S)
             assert got == []
+
+    run(body())
+
+
+def test_decode_chunks_that_queued_behind_a_write_go_on_as_one_message() -> None:
+    """Chunks that reached the relay while the caller was still writing the previous message are
+    sent as one (the relay's cost is per message); what came behind them (the leg's end, here an
+    error) is still handled after them, in order."""
+    from kvpush.services.scheduler.generate import Chunk, GenerateParams, LegError, run_legs
+    from kvpush.services.scheduler.model import AssignmentRecord, InstanceSpec, Role
+
+    class Client:
+        def __init__(self, fail: bool) -> None:
+            self.fail = fail
+
+        async def prefill(self, endpoint: str, p: GenerateParams, params: dict[str, Any]) -> None:
+            return None
+
+        async def decode(
+            self, endpoint: str, p: GenerateParams, params: dict[str, Any], max_tokens: int | None = None
+        ) -> AsyncIterator[Chunk]:
+            yield Chunk([12], "")
+            await asyncio.sleep(0)  # the caller takes the first chunk alone ...
+            # ... and these three queue up while it is busy with it (no await between them).
+            yield Chunk([13], "")
+            yield Chunk([14], "")
+            if self.fail:
+                raise LegError("decode", "cut", True)
+            yield Chunk([15], "length")
+
+    def spec(engine: str, role: Role) -> InstanceSpec:
+        return InstanceSpec(engine, role, "i", 1, ("127.0.0.1:1",), 100, 16, f"http://127.0.0.1:1/{engine}", (), True)
+
+    rec = AssignmentRecord("t1", 1, spec("p0", Role.PREFILL), spec("d0", Role.DECODE), 1, 0.0)
+
+    async def collect(fail: bool, got: list[tuple[list[int], str]]) -> None:
+        loop = asyncio.get_running_loop()
+        params = GenerateParams([1, 2, 3], 4, 0.0, True, None)
+        async for c in run_legs(Client(fail), rec, params, loop.create_future()):  # type: ignore[arg-type]
+            got.append((c.token_ids, c.finish_reason))
+            await asyncio.sleep(0.01)  # a slow write to the caller
+
+    async def body() -> None:
+        got: list[tuple[list[int], str]] = []
+        await asyncio.wait_for(collect(False, got), WAIT_S)
+        assert got == [([12], ""), ([13, 14, 15], "length")]
+        got = []
+        with pytest.raises(LegError, match="cut"):
+            await asyncio.wait_for(collect(True, got), WAIT_S)
+        assert got == [([12], ""), ([13, 14], "")]
 
     run(body())

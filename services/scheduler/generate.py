@@ -62,6 +62,16 @@ class Chunk:
     finish_reason: str
 
 
+def merged(chunks: list[Chunk]) -> Chunk:
+    """Consecutive chunks of one stream as one: their tokens in order, the finish reason of the last
+    that has one. What the relay sends when decode's chunks queued up behind the previous write."""
+    if len(chunks) == 1:
+        return chunks[0]
+    tokens = [t for c in chunks for t in c.token_ids]
+    finish = next((c.finish_reason for c in reversed(chunks) if c.finish_reason), "")
+    return Chunk(token_ids=tokens, finish_reason=finish)
+
+
 class SilenceWatchdog:
     """Cancels the task that created it once ``heard`` was not called for ``limit_s``.
 
@@ -204,14 +214,29 @@ class OpenAIClient:
                     *lines, rest = (rest + data).split(b"\n")
                     if len(rest) > MAX_STREAM_LINE:
                         raise LegError("decode", f"{url}: a stream line over {MAX_STREAM_LINE} bytes", False)
+                    # The events of one read go on as one chunk (several when the relay fell behind).
+                    chunks: list[Chunk] = []
+                    end: LegError | None = None  # a bad event: the leg fails after the tokens before it
+                    done = False
                     for raw in lines:
                         line = raw.strip()
                         if not line.startswith(b"data:"):
                             continue
                         event = line[5:].strip()
                         if event == b"[DONE]":
-                            return
-                        yield _parse_chunk(url, event)
+                            done = True
+                            break
+                        try:
+                            chunks.append(_parse_chunk(url, event))
+                        except LegError as exc:
+                            end = exc
+                            break
+                    if chunks:
+                        yield merged(chunks)
+                    if end is not None:
+                        raise end
+                    if done:
+                        return
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise LegError("decode", f"POST {url}: {exc!r}", unavailable=True) from exc
         except asyncio.CancelledError:
@@ -262,7 +287,8 @@ async def run_legs(
     lost_stall_s: float = 0.0,
     first_token_after_decode_s: float = FIRST_TOKEN_AFTER_DECODE_S,
 ) -> AsyncIterator[Chunk]:
-    """Sends both legs at once (signed by ``signer`` when given) and yields the decode chunks. Raises
+    """Sends both legs at once (signed by ``signer`` when given) and yields the decode chunks (those
+    that queued up while the caller wrote the previous one merged into one: ``merged``). Raises
     LegError when the decode leg fails, AssignmentLost when ``lost`` resolves first. A failed prefill
     leg does not end the request: the decode engine, which holds the reservation, reroutes the
     transfer to another prefill or fails the request itself (then the decode leg says so, and the
@@ -327,12 +353,13 @@ async def run_legs(
     decode_streamed = False
     decode_done = False  # the decode leg ended while its chunks wait for the first token
     lost_while_streaming = ""
+    deferred: list[tuple[str, Any]] = []  # taken from the queue behind decode chunks, not yet handled
     try:
         while True:
             # Unbounded, except once decode ended without the first token or lost its assignment.
             timeout = first_token_after_decode_s if decode_done else (lost_stall_s if lost_while_streaming else None)
             try:
-                kind, value = await asyncio.wait_for(q.get(), timeout)
+                kind, value = deferred.pop() if deferred else await asyncio.wait_for(q.get(), timeout)
             except TimeoutError:
                 if decode_done:
                     why = f"the decode leg ended and prefill's first token did not come within {timeout:g}s"
@@ -344,17 +371,26 @@ async def run_legs(
                 yield Chunk(token_ids=[int(value.token_id)], finish_reason="stop" if value.stopped else "")
                 if value.stopped:
                     return  # EOS: nothing follows it (leaving aborts the decode leg)
-                for chunk in held:
-                    yield chunk
+                if held:
+                    yield merged(held)
                 held.clear()
                 if decode_done:
                     break
             elif kind == "chunk":
                 decode_streamed = True
+                # Chunks that queued while the previous message was written go out as one message:
+                # under load the relay's cost is per message, not per token.
+                chunks = [value]
+                while not q.empty():
+                    item = q.get_nowait()
+                    if item[0] != "chunk":
+                        deferred.append(item)
+                        break
+                    chunks.append(item[1])
                 if waiting_first:
-                    held.append(value)
+                    held.extend(chunks)
                 else:
-                    yield value
+                    yield merged(chunks)
             elif kind == "done":
                 if not waiting_first:
                     break

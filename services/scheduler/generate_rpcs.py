@@ -189,6 +189,8 @@ class GenerateRpcs(ServicerCore):
                     if tokens == 0:
                         t_first = now
                         phase.labels("first_token").observe(now - t_legs)
+                        if len(chunk.token_ids) > 1:  # both in one message (they queued up)
+                            phase.labels("second_token").observe(0.0)
                     else:
                         phase.labels("second_token").observe(now - t_first)
                 if first and chunk.token_ids:
