@@ -76,10 +76,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="with --plain-instance-core: a second, identical plain vLLM on that core joins the rotation",
     )
+    ap.add_argument(
+        "--plain-first",
+        action="store_true",
+        help="with --plain-instance-core: start the plain vLLM(s) before the pair instead of after it",
+    )
     ap.add_argument("--quiet-s", type=float, default=1.2, help="pause before each plain-instance comparison request")
     args = ap.parse_args(argv)
-    if args.plain_twin and args.plain_instance_core is None:
-        ap.error("--plain-twin needs --plain-instance-core")
+    if (args.plain_twin or args.plain_first) and args.plain_instance_core is None:
+        ap.error("--plain-twin and --plain-first need --plain-instance-core")
     return args
 
 
@@ -580,8 +585,8 @@ def markdown(res: dict[str, Any]) -> str:
 
 @contextlib.contextmanager
 def _plain_instances(h: serving.Harness, core: int | None, twin: bool) -> Iterator[tuple[Any, Any]]:
-    """A plain vLLM (no connector) pinned to ``core``, started after the pair, and with ``twin`` a
-    second one beside it; None where there is none."""
+    """A plain vLLM (no connector) pinned to ``core`` and with ``twin`` a second one beside it, started
+    side by side; None where there is none."""
     if core is None:
         yield None, None
         return
@@ -602,7 +607,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     h, prompts = paired.setup(args, extra, args.warmup + args.requests)
     load_before = os.getloadavg()[0]
     t_start = time.monotonic()
-    with h.pair("ours") as pair, _plain_instances(h, args.plain_instance_core, args.plain_twin) as (plain, twin):
+    with contextlib.ExitStack() as stack:
+        # The plain vLLMs after the pair by default; --plain-first the other way round (start order
+        # is one of the things that differ between engines launched for one run).
+        plains = _plain_instances(h, args.plain_instance_core, args.plain_twin)
+        if args.plain_first:
+            plain, twin = stack.enter_context(plains)
+        pair = stack.enter_context(h.pair("ours"))
+        if not args.plain_first:
+            plain, twin = stack.enter_context(plains)
         rows = asyncio.run(measure(pair, args, prompts, plain, twin))
         trace = Trace(pair.prefill.log_path, pair.decode.log_path)
     res = analyse(rows, trace)
