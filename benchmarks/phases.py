@@ -601,21 +601,27 @@ def _plain_instances(h: serving.Harness, core: int | None, twin: bool) -> Iterat
             srv.stop()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    extra = ["--connector-extra", "trace_steps=true", *args.serving_arg]
-    h, prompts = paired.setup(args, extra, args.warmup + args.requests)
-    load_before = os.getloadavg()[0]
-    t_start = time.monotonic()
+@contextlib.contextmanager
+def _engines(h: serving.Harness, args: argparse.Namespace) -> Iterator[tuple[Any, Any, Any]]:
+    """The kvpush pair, then the plain vLLMs; with ``--plain-first`` the other way round (start
+    order is one of the things that differ between engines launched for one run)."""
     with contextlib.ExitStack() as stack:
-        # The plain vLLMs after the pair by default; --plain-first the other way round (start order
-        # is one of the things that differ between engines launched for one run).
         plains = _plain_instances(h, args.plain_instance_core, args.plain_twin)
         if args.plain_first:
             plain, twin = stack.enter_context(plains)
         pair = stack.enter_context(h.pair("ours"))
         if not args.plain_first:
             plain, twin = stack.enter_context(plains)
+        yield pair, plain, twin
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    extra = ["--connector-extra", "trace_steps=true", *args.serving_arg]
+    h, prompts = paired.setup(args, extra, args.warmup + args.requests)
+    load_before = os.getloadavg()[0]
+    t_start = time.monotonic()
+    with _engines(h, args) as (pair, plain, twin):
         rows = asyncio.run(measure(pair, args, prompts, plain, twin))
         trace = Trace(pair.prefill.log_path, pair.decode.log_path)
     res = analyse(rows, trace)

@@ -243,3 +243,43 @@ def test_tree_cpu_counts_this_process_threads() -> None:
     used = phases._tree_cpu_s(os.getpid()) - before
     assert 0.04 <= used < 5.0
     assert math.isnan(phases._tree_cpu_s(None))
+
+
+@pytest.mark.parametrize("plain_first", [False, True])
+def test_plain_first_starts_the_plain_vllms_before_the_pair_and_stops_them_after(plain_first: bool) -> None:
+    import contextlib
+    from collections.abc import Iterator
+
+    events: list[str] = []
+
+    class Server:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def stop(self) -> None:
+            events.append(f"stop {self.name}")
+
+    class Harness:
+        def server(self, name: str, core: int, kv: Any, env: dict[str, str]) -> Server:
+            return Server(name)
+
+        def start(self, servers: list[tuple[Server, int]]) -> None:
+            events.append("start " + "+".join(s.name for s, _ in servers))
+
+        @contextlib.contextmanager
+        def pair(self, kind: str) -> Iterator[str]:
+            events.append("start pair")
+            yield "pair"
+            events.append("stop pair")
+
+    flags = ["--plain-instance-core", "1", "--plain-twin", *(["--plain-first"] if plain_first else [])]
+    with phases._engines(Harness(), phases.parse_args(flags)) as (pair, plain, twin):  # type: ignore[arg-type]
+        assert (pair, plain.name, twin.name) == ("pair", "plain-instance", "plain-twin")
+    plains = ["start plain-instance+plain-twin"]
+    stops = ["stop plain-instance", "stop plain-twin"]
+    if plain_first:
+        assert events == [*plains, "start pair", "stop pair", *stops]
+    else:
+        assert events == ["start pair", *plains, *stops, "stop pair"]
+    with pytest.raises(SystemExit):
+        phases.parse_args(["--plain-first"])  # nothing to start first without a plain vLLM
