@@ -802,3 +802,48 @@ def test_decode_chunks_that_queued_behind_a_write_go_on_as_one_message() -> None
         assert got == [([12], ""), ([13, 14], "")]
 
     run(body())
+
+
+def test_a_backlog_goes_out_in_messages_of_bounded_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However many tokens queued (a caller that stopped reading, a first token that came late), no
+    merged message holds more than MAX_TOKENS_PER_MESSAGE (a chunk over it alone stays whole)."""
+    from kvpush.services.scheduler import generate
+    from kvpush.services.scheduler.generate import Chunk, merged_runs
+
+    runs = merged_runs([Chunk([1], ""), Chunk([2], ""), Chunk([3], ""), Chunk([4, 5, 6], ""), Chunk([7], "length")], 2)
+    assert [(c.token_ids, c.finish_reason) for c in runs] == [([1, 2], ""), ([3], ""), ([4, 5, 6], ""), ([7], "length")]
+    assert merged_runs([]) == []
+
+    monkeypatch.setattr(generate, "MAX_TOKENS_PER_MESSAGE", 2)
+    from kvpush.services.scheduler.generate import GenerateParams, run_legs
+    from kvpush.services.scheduler.model import AssignmentRecord, InstanceSpec, Role
+
+    class Client:
+        async def prefill(self, endpoint: str, p: GenerateParams, params: dict[str, Any]) -> None:
+            return None
+
+        async def decode(
+            self, endpoint: str, p: GenerateParams, params: dict[str, Any], max_tokens: int | None = None
+        ) -> AsyncIterator[Chunk]:
+            yield Chunk([12], "")
+            await asyncio.sleep(0)
+            for tok in (13, 14, 15, 16):  # queued behind the caller's slow write
+                yield Chunk([tok], "")
+            yield Chunk([17], "length")
+
+    def spec(engine: str, role: Role) -> InstanceSpec:
+        return InstanceSpec(engine, role, "i", 1, ("127.0.0.1:1",), 100, 16, f"http://127.0.0.1:1/{engine}", (), True)
+
+    rec = AssignmentRecord("t1", 1, spec("p0", Role.PREFILL), spec("d0", Role.DECODE), 1, 0.0)
+
+    async def body() -> None:
+        got: list[list[int]] = []
+        loop = asyncio.get_running_loop()
+        params = GenerateParams([1, 2, 3], 6, 0.0, True, None)
+        async for c in run_legs(Client(), rec, params, loop.create_future()):  # type: ignore[arg-type]
+            got.append(c.token_ids)
+            await asyncio.sleep(0.01)
+        assert [t for c in got for t in c] == [12, 13, 14, 15, 16, 17]
+        assert max(len(c) for c in got) == 2 and len(got) == 4  # [12], then three of two
+
+    run(body())

@@ -30,6 +30,9 @@ _UNAVAILABLE_HTTP = {502, 503, 504}
 _MAX_BODY = 2000
 # A decode stream's line (one SSE event of vLLM's: a chunk of a token or a few) is never near this.
 MAX_STREAM_LINE = 1 << 20
+# Tokens merged into one message at most (a few KiB): a backlog goes out in messages this size, far
+# below gRPC's message limit whatever max_tokens allows.
+MAX_TOKENS_PER_MESSAGE = 4096
 
 
 class LegError(Exception):
@@ -70,6 +73,24 @@ def merged(chunks: list[Chunk]) -> Chunk:
     tokens = [t for c in chunks for t in c.token_ids]
     finish = next((c.finish_reason for c in reversed(chunks) if c.finish_reason), "")
     return Chunk(token_ids=tokens, finish_reason=finish)
+
+
+def merged_runs(chunks: list[Chunk], limit: int | None = None) -> list[Chunk]:
+    """``chunks`` merged into as few as hold at most ``limit`` tokens each (default
+    ``MAX_TOKENS_PER_MESSAGE``; a single chunk over it stays whole), tokens in order."""
+    limit = MAX_TOKENS_PER_MESSAGE if limit is None else limit
+    runs: list[Chunk] = []
+    group: list[Chunk] = []
+    size = 0
+    for c in chunks:
+        if group and size + len(c.token_ids) > limit:
+            runs.append(merged(group))
+            group, size = [], 0
+        group.append(c)
+        size += len(c.token_ids)
+    if group:
+        runs.append(merged(group))
+    return runs
 
 
 class SilenceWatchdog:
@@ -231,8 +252,8 @@ class OpenAIClient:
                         except LegError as exc:
                             end = exc
                             break
-                    if chunks:
-                        yield merged(chunks)
+                    for chunk in merged_runs(chunks):
+                        yield chunk
                     if end is not None:
                         raise end
                     if done:
@@ -371,8 +392,8 @@ async def run_legs(
                 yield Chunk(token_ids=[int(value.token_id)], finish_reason="stop" if value.stopped else "")
                 if value.stopped:
                     return  # EOS: nothing follows it (leaving aborts the decode leg)
-                if held:
-                    yield merged(held)
+                for chunk in merged_runs(held):
+                    yield chunk
                 held.clear()
                 if decode_done:
                     break
@@ -381,16 +402,19 @@ async def run_legs(
                 # Chunks that queued while the previous message was written go out as one message:
                 # under load the relay's cost is per message, not per token.
                 chunks = [value]
-                while not q.empty():
+                size = len(value.token_ids)
+                while size < MAX_TOKENS_PER_MESSAGE and not q.empty():
                     item = q.get_nowait()
                     if item[0] != "chunk":
                         deferred.append(item)
                         break
                     chunks.append(item[1])
+                    size += len(item[1].token_ids)
                 if waiting_first:
                     held.extend(chunks)
                 else:
-                    yield merged(chunks)
+                    for chunk in merged_runs(chunks):
+                        yield chunk
             elif kind == "done":
                 if not waiting_first:
                     break
