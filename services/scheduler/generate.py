@@ -235,7 +235,7 @@ class OpenAIClient:
                     *lines, rest = (rest + data).split(b"\n")
                     if len(rest) > MAX_STREAM_LINE:
                         raise LegError("decode", f"{url}: a stream line over {MAX_STREAM_LINE} bytes", False)
-                    # The events of one read go on as one chunk (several when the relay fell behind).
+                    # The events of one read go on merged (several when the relay fell behind).
                     chunks: list[Chunk] = []
                     end: LegError | None = None  # a bad event: the leg fails after the tokens before it
                     done = False
@@ -309,7 +309,7 @@ async def run_legs(
     first_token_after_decode_s: float = FIRST_TOKEN_AFTER_DECODE_S,
 ) -> AsyncIterator[Chunk]:
     """Sends both legs at once (signed by ``signer`` when given) and yields the decode chunks (those
-    that queued up while the caller wrote the previous one merged into one: ``merged``). Raises
+    that queued up while the caller wrote the previous one merged: ``merged_runs``). Raises
     LegError when the decode leg fails, AssignmentLost when ``lost`` resolves first. A failed prefill
     leg does not end the request: the decode engine, which holds the reservation, reroutes the
     transfer to another prefill or fails the request itself (then the decode leg says so, and the
