@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -37,7 +36,18 @@ from typing import Any
 import grpc
 
 from benchmarks.calibration import cpu_calibration_ms
-from benchmarks.scheduler import Bench, _cpus, _free_port, _proc_cpu_s, _self_cpu_s, _start, _stop, _wait_serving
+from benchmarks.scheduler import (
+    Bench,
+    _cpus,
+    _free_port,
+    _proc_cpu_s,
+    _self_cpu_s,
+    _start,
+    _stop,
+    _wait_serving,
+    host_report,
+    scheduler_argv,
+)
 from kvpush.v1 import kvpush_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,7 +250,6 @@ async def under_load(bench: Bench, pid: int, engine_pid: int, args: argparse.Nam
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvpush.services.common.leg_macs import write_master
-    from kvpush.services.common.security import TlsFiles
     from scripts.make_certs import make_certs
 
     if args.client_cpus:
@@ -254,33 +263,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     keys = tempfile.TemporaryDirectory(prefix="kvpush-bench-leg-keys-")
     pki = tempfile.TemporaryDirectory(prefix="kvpush-bench-certs-")
     certs = make_certs(pki.name, engines=["decode/d0", "prefill/p1"])
-    tls = TlsFiles.in_dir(certs, "scheduler")
-    # As deployed, but for the readiness probe (the fake engine is up before the scheduler).
-    scheduler = _start(
-        [
-            "-m",
-            "kvpush.services.scheduler.main",
-            "--listen",
-            address,
-            "--metrics-port",
-            str(metrics_port),
-            "--metrics-addr",
-            "127.0.0.1",
-            "--log-level",
-            "WARNING",
-            "--readiness-probe",
-            "0",
-            "--leg-mac-key",
-            str(write_master(keys.name)),
-            "--tls-ca",
-            tls.ca_file,
-            "--tls-cert",
-            tls.cert_file,
-            "--tls-key",
-            tls.key_file,
-        ],
-        args.server_cpus,
-    )
+    leg_flags = ["--leg-mac-key", str(write_master(keys.name))]
+    scheduler = _start(scheduler_argv(address, metrics_port, certs, leg_flags), args.server_cpus)
     results: list[dict[str, Any]] = []
     try:
         await _wait_engine(engine_url, engine)
@@ -306,15 +290,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         pki.cleanup()
     return {
         "benchmark": "Generate's token relay",
-        "host": {
-            "cpus": os.cpu_count(),
-            "loadavg_1m_before": round(load_before[0], 2),
-            "loadavg_1m_after": round(os.getloadavg()[0], 2),
-            "cpu_calibration_ms_before": round(calibration_before, 2),
-            "cpu_calibration_ms_after": round(cpu_calibration_ms(), 2),
-            "python": platform.python_version(),
-            "grpcio": grpc.__version__,
-        },
+        "host": host_report(load_before, calibration_before),
         "setup": {
             "step_ms": args.step_ms,
             "short": args.short,

@@ -424,6 +424,41 @@ def _start(argv: list[str], cpus: str = "") -> subprocess.Popen[bytes]:
     return proc
 
 
+def scheduler_argv(address: str, metrics_port: int, certs: Path, leg_flags: list[str]) -> list[str]:
+    """``kvpush-scheduler`` as a benchmark runs it: as deployed (mTLS with the certificates in
+    ``certs``, ``leg_flags``' legs), but for leases and the readiness probe."""
+    from kvpush.services.common.security import TlsFiles
+
+    tls = TlsFiles.in_dir(certs, "scheduler")
+    return [
+        "-m",
+        "kvpush.services.scheduler.main",
+        "--listen",
+        address,
+        "--metrics-port",
+        str(metrics_port),
+        "--metrics-addr",
+        "127.0.0.1",
+        # Leases long enough that a saturated client process cannot starve its own load streams.
+        "--lease-interval-ms",
+        "1000",
+        "--lease-misses",
+        "10",
+        "--log-level",
+        "WARNING",
+        # The fake instances have no OpenAI server to probe (or theirs is up before the scheduler).
+        "--readiness-probe",
+        "0",
+        *leg_flags,
+        "--tls-ca",
+        tls.ca_file,
+        "--tls-cert",
+        tls.cert_file,
+        "--tls-key",
+        tls.key_file,
+    ]
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     try:
@@ -435,7 +470,6 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     from kvpush.services.common.leg_macs import write_master
     from kvpush.services.common.leg_signing import write_keypair
-    from kvpush.services.common.security import TlsFiles
     from scripts.make_certs import make_certs
 
     port, metrics_port = _free_port(), _free_port()
@@ -450,37 +484,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     # And with mTLS on every call: a throwaway CA, the scheduler's, a frontend's and each instance's certificate.
     pki = tempfile.TemporaryDirectory(prefix="kvpush-bench-certs-")
     certs = make_certs(pki.name, engines=[f"{r}/{n}" for r, n in _instance_names(args.decodes, args.prefills)])
-    tls = TlsFiles.in_dir(certs, "scheduler")
-    proc = _start(
-        [
-            "-m",
-            "kvpush.services.scheduler.main",
-            "--listen",
-            address,
-            "--metrics-port",
-            str(metrics_port),
-            "--metrics-addr",
-            "127.0.0.1",
-            # Leases long enough that a saturated client process cannot starve its own load streams.
-            "--lease-interval-ms",
-            "1000",
-            "--lease-misses",
-            "10",
-            "--log-level",
-            "WARNING",
-            # The fake instances have no OpenAI server to probe.
-            "--readiness-probe",
-            "0",
-            *leg_flags,
-            "--tls-ca",
-            tls.ca_file,
-            "--tls-cert",
-            tls.cert_file,
-            "--tls-key",
-            tls.key_file,
-        ],
-        args.server_cpus,
-    )
+    proc = _start(scheduler_argv(address, metrics_port, certs, leg_flags), args.server_cpus)
     try:
         await _wait_serving(address, proc, certs)
         bench = Bench(address, args.channels, certs)
@@ -570,15 +574,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     pki.cleanup()
     return {
         "benchmark": "scheduler Assign",
-        "host": {
-            "cpus": os.cpu_count(),
-            "loadavg_1m_before": round(load_before[0], 2),
-            "loadavg_1m_after": round(os.getloadavg()[0], 2),
-            "cpu_calibration_ms_before": round(calibration_before, 2),
-            "cpu_calibration_ms_after": round(cpu_calibration_ms(), 2),
-            "python": platform.python_version(),
-            "grpcio": grpc.__version__,
-        },
+        "host": host_report(load_before, calibration_before),
         "setup": {
             "decodes": args.decodes,
             "prefills": args.prefills,
@@ -599,6 +595,19 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "results": results,
         "goal": {"rate_rps": 1000, "p99_ms": 2.0, "stream_rate_rps": 5000},
+    }
+
+
+def host_report(load_before: tuple[float, float, float], calibration_before: float) -> dict[str, Any]:
+    """The machine a run measured: CPUs, load averages and the speed calibration before and now."""
+    return {
+        "cpus": os.cpu_count(),
+        "loadavg_1m_before": round(load_before[0], 2),
+        "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        "cpu_calibration_ms_before": round(calibration_before, 2),
+        "cpu_calibration_ms_after": round(cpu_calibration_ms(), 2),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
     }
 
 

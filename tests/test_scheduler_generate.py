@@ -139,6 +139,52 @@ def _req(**kw: Any) -> pb.GenerateRequest:
     return pb.GenerateRequest(**base)
 
 
+def _record(first_token: bool = False) -> Any:
+    """An open assignment of transfer t1 from p0 to d0, for ``run_legs`` against a fake client."""
+    from kvpush.services.scheduler.model import AssignmentRecord, InstanceSpec, Role
+
+    def spec(engine: str, role: Role) -> InstanceSpec:
+        return InstanceSpec(engine, role, "i", 1, ("127.0.0.1:1",), 100, 16, f"http://127.0.0.1:1/{engine}", (), True)
+
+    return AssignmentRecord("t1", 1, spec("p0", Role.PREFILL), spec("d0", Role.DECODE), 1, 0.0, first_token=first_token)
+
+
+class _QueuedDecode:
+    """A fake OpenAI client whose decode leg streams token 12 alone, then ``rest`` without a pause
+    between them (they queue up behind the caller's write of 12), then fails with ``fail``."""
+
+    def __init__(self, rest: list[Any], fail: Exception | None = None) -> None:
+        self.rest, self.fail = rest, fail
+
+    async def prefill(self, endpoint: str, p: Any, params: dict[str, Any]) -> None:
+        return None
+
+    async def decode(self, endpoint: str, p: Any, params: dict[str, Any], max_tokens: int | None = None) -> Any:
+        from kvpush.services.scheduler.generate import Chunk
+
+        yield Chunk([12], "")
+        await asyncio.sleep(0)  # the caller takes the first chunk alone ...
+        for chunk in self.rest:  # ... and these queue up while it is busy with it
+            yield chunk
+        if self.fail is not None:
+            raise self.fail
+
+
+async def _relayed(
+    client: _QueuedDecode, max_tokens: int, got: list[tuple[list[int], str]] | None = None
+) -> list[tuple[list[int], str]]:
+    """What ``run_legs`` yields to a caller that takes 10 ms to write each message."""
+    from kvpush.services.scheduler.generate import GenerateParams, run_legs
+
+    got = [] if got is None else got
+    loop = asyncio.get_running_loop()
+    params = GenerateParams([1, 2, 3], max_tokens, 0.0, True, None)
+    async for c in run_legs(client, _record(), params, loop.create_future()):  # type: ignore[arg-type]
+        got.append((c.token_ids, c.finish_reason))
+        await asyncio.sleep(0.01)  # a slow write to the caller
+    return got
+
+
 def test_generate_streams_tokens_and_releases_ok() -> None:
     async def body() -> None:
         async with cluster(interval_s=1.0) as (server, stub, p, d, _):
@@ -661,7 +707,6 @@ def test_legs_go_out_prefill_first_with_the_handoff_decode_first_without(handoff
     """With the hand-off the client's first token is prefill's, so its leg is sent first; without
     it decode's reservation goes first (the push starts when it and the prefill are both done)."""
     from kvpush.services.scheduler.generate import Chunk, GenerateParams, run_legs
-    from kvpush.services.scheduler.model import AssignmentRecord, InstanceSpec, Role
 
     calls: list[str] = []
     first: list[asyncio.Future[pb.FirstToken]] = []
@@ -678,10 +723,7 @@ def test_legs_go_out_prefill_first_with_the_handoff_decode_first_without(handoff
             await asyncio.sleep(0)
             yield Chunk([12], "length")
 
-    def spec(engine: str, role: Role) -> InstanceSpec:
-        return InstanceSpec(engine, role, "i", 1, ("127.0.0.1:1",), 100, 16, f"http://127.0.0.1:1/{engine}", (), True)
-
-    rec = AssignmentRecord("t1", 1, spec("p0", Role.PREFILL), spec("d0", Role.DECODE), 1, 0.0, first_token=handoff)
+    rec = _record(first_token=handoff)
 
     async def body() -> None:
         loop = asyncio.get_running_loop()
@@ -701,7 +743,6 @@ def test_a_decode_leg_that_ends_before_the_relayed_token_waits_for_it(token_come
     relay of it reaches the call (the soak saw it at 40 ms, with a prefill restarting next to it):
     its chunks wait for the token and follow it; a token that never comes fails the call, bounded."""
     from kvpush.services.scheduler.generate import Chunk, GenerateParams, LegError, run_legs
-    from kvpush.services.scheduler.model import AssignmentRecord, InstanceSpec, Role
 
     decode_finished = asyncio.Event()
 
@@ -716,10 +757,7 @@ def test_a_decode_leg_that_ends_before_the_relayed_token_waits_for_it(token_come
             yield Chunk([13], "length")
             decode_finished.set()  # the leg's end is queued in the same step, before anything else
 
-    def spec(engine: str, role: Role) -> InstanceSpec:
-        return InstanceSpec(engine, role, "i", 1, ("127.0.0.1:1",), 100, 16, f"http://127.0.0.1:1/{engine}", (), True)
-
-    rec = AssignmentRecord("t1", 1, spec("p0", Role.PREFILL), spec("d0", Role.DECODE), 1, 0.0, first_token=True)
+    rec = _record(first_token=True)
 
     async def body() -> None:
         loop = asyncio.get_running_loop()
@@ -758,47 +796,15 @@ def test_decode_chunks_that_queued_behind_a_write_go_on_as_one_message() -> None
     """Chunks that reached the relay while the caller was still writing the previous message are
     sent as one (the relay's cost is per message); what came behind them (the leg's end, here an
     error) is still handled after them, in order."""
-    from kvpush.services.scheduler.generate import Chunk, GenerateParams, LegError, run_legs
-    from kvpush.services.scheduler.model import AssignmentRecord, InstanceSpec, Role
-
-    class Client:
-        def __init__(self, fail: bool) -> None:
-            self.fail = fail
-
-        async def prefill(self, endpoint: str, p: GenerateParams, params: dict[str, Any]) -> None:
-            return None
-
-        async def decode(
-            self, endpoint: str, p: GenerateParams, params: dict[str, Any], max_tokens: int | None = None
-        ) -> AsyncIterator[Chunk]:
-            yield Chunk([12], "")
-            await asyncio.sleep(0)  # the caller takes the first chunk alone ...
-            # ... and these three queue up while it is busy with it (no await between them).
-            yield Chunk([13], "")
-            yield Chunk([14], "")
-            if self.fail:
-                raise LegError("decode", "cut", True)
-            yield Chunk([15], "length")
-
-    def spec(engine: str, role: Role) -> InstanceSpec:
-        return InstanceSpec(engine, role, "i", 1, ("127.0.0.1:1",), 100, 16, f"http://127.0.0.1:1/{engine}", (), True)
-
-    rec = AssignmentRecord("t1", 1, spec("p0", Role.PREFILL), spec("d0", Role.DECODE), 1, 0.0)
-
-    async def collect(fail: bool, got: list[tuple[list[int], str]]) -> None:
-        loop = asyncio.get_running_loop()
-        params = GenerateParams([1, 2, 3], 4, 0.0, True, None)
-        async for c in run_legs(Client(fail), rec, params, loop.create_future()):  # type: ignore[arg-type]
-            got.append((c.token_ids, c.finish_reason))
-            await asyncio.sleep(0.01)  # a slow write to the caller
+    from kvpush.services.scheduler.generate import Chunk, LegError
 
     async def body() -> None:
+        ok = _QueuedDecode([Chunk([13], ""), Chunk([14], ""), Chunk([15], "length")])
+        assert await asyncio.wait_for(_relayed(ok, 4), WAIT_S) == [([12], ""), ([13, 14, 15], "length")]
+        cut = _QueuedDecode([Chunk([13], ""), Chunk([14], "")], fail=LegError("decode", "cut", True))
         got: list[tuple[list[int], str]] = []
-        await asyncio.wait_for(collect(False, got), WAIT_S)
-        assert got == [([12], ""), ([13, 14, 15], "length")]
-        got = []
         with pytest.raises(LegError, match="cut"):
-            await asyncio.wait_for(collect(True, got), WAIT_S)
+            await asyncio.wait_for(_relayed(cut, 4, got), WAIT_S)
         assert got == [([12], ""), ([13, 14], "")]
 
     run(body())
@@ -815,35 +821,7 @@ def test_a_backlog_goes_out_in_messages_of_bounded_size(monkeypatch: pytest.Monk
     assert merged_runs([]) == []
 
     monkeypatch.setattr(generate, "MAX_TOKENS_PER_MESSAGE", 2)
-    from kvpush.services.scheduler.generate import GenerateParams, run_legs
-    from kvpush.services.scheduler.model import AssignmentRecord, InstanceSpec, Role
-
-    class Client:
-        async def prefill(self, endpoint: str, p: GenerateParams, params: dict[str, Any]) -> None:
-            return None
-
-        async def decode(
-            self, endpoint: str, p: GenerateParams, params: dict[str, Any], max_tokens: int | None = None
-        ) -> AsyncIterator[Chunk]:
-            yield Chunk([12], "")
-            await asyncio.sleep(0)
-            for tok in (13, 14, 15, 16):  # queued behind the caller's slow write
-                yield Chunk([tok], "")
-            yield Chunk([17], "length")
-
-    def spec(engine: str, role: Role) -> InstanceSpec:
-        return InstanceSpec(engine, role, "i", 1, ("127.0.0.1:1",), 100, 16, f"http://127.0.0.1:1/{engine}", (), True)
-
-    rec = AssignmentRecord("t1", 1, spec("p0", Role.PREFILL), spec("d0", Role.DECODE), 1, 0.0)
-
-    async def body() -> None:
-        got: list[list[int]] = []
-        loop = asyncio.get_running_loop()
-        params = GenerateParams([1, 2, 3], 6, 0.0, True, None)
-        async for c in run_legs(Client(), rec, params, loop.create_future()):  # type: ignore[arg-type]
-            got.append(c.token_ids)
-            await asyncio.sleep(0.01)
-        assert [t for c in got for t in c] == [12, 13, 14, 15, 16, 17]
-        assert max(len(c) for c in got) == 2 and len(got) == 4  # [12], then three of two
-
-    run(body())
+    queued = _QueuedDecode([Chunk([13], ""), Chunk([14], ""), Chunk([15], ""), Chunk([16], ""), Chunk([17], "length")])
+    got = run(asyncio.wait_for(_relayed(queued, 6), WAIT_S))
+    assert [t for c, _ in got for t in c] == [12, 13, 14, 15, 16, 17]
+    assert max(len(c) for c, _ in got) == 2 and len(got) == 4  # [12], then three of two
