@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import paired, serving, serving_proxies
+from benchmarks.process_cpu import tree_cpu_s as _tree_cpu_s
 
 ROOT = Path(__file__).resolve().parent.parent
 _RID = re.compile(r"[0-9a-f]{32}")
@@ -180,27 +181,6 @@ async def _stream(c: serving_proxies.Client, url: str, prompt: list[int], n: int
     if len(out) != n:
         raise RuntimeError(f"{url}: {len(out)} tokens, expected {n}")
     return out
-
-
-def _tree_cpu_s(pid: int | None) -> float:
-    """CPU time (s) of every thread of ``pid`` and its descendants so far (Linux ``schedstat``, in
-    ns: per-request amounts are tens of ms, below ``cpu_times``' clock ticks): an engine's API
-    server, engine core, and the threads the connector runs in them."""
-    if pid is None:
-        return float("nan")
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return float("nan")
-    total_ns = 0
-    for proc in procs:
-        for task in Path(f"/proc/{proc.pid}/task").glob("*"):
-            with contextlib.suppress(OSError, ValueError, IndexError):  # ended meanwhile
-                total_ns += int((task / "schedstat").read_text().split()[0])
-    return total_ns / 1e9
 
 
 def _tpot(ts: Sequence[float]) -> float:

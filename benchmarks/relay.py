@@ -36,6 +36,7 @@ from typing import Any
 import grpc
 
 from benchmarks.calibration import cpu_calibration_ms
+from benchmarks.process_cpu import tree_cpu_s
 from benchmarks.scheduler import (
     Bench,
     _cpus,
@@ -49,7 +50,6 @@ from benchmarks.scheduler import (
 )
 from kvpush.v1 import kvpush_pb2 as pb
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL = "fake-model"
 
 
@@ -184,18 +184,6 @@ class Stream:
             self.errors += 1
 
 
-def _threads_cpu_s(pid: int) -> float:
-    """CPU time of every live thread of ``pid``, to the nanosecond (``/proc/<pid>/task/*/schedstat``:
-    ``/proc/<pid>/stat`` counts in 10 ms ticks, more than a short call costs the scheduler)."""
-    total = 0
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
-            continue  # a thread that just ended
-    return total / 1e9
-
-
 def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
@@ -207,9 +195,9 @@ async def light_load(bench: Bench, pid: int, args: argparse.Namespace) -> dict[s
     seen = {args.short: Stream(), args.long: Stream()}
     for _ in range(args.rounds):
         for n in (args.short, args.long):
-            c0 = _threads_cpu_s(pid)
+            c0 = tree_cpu_s(pid)
             await seen[n].generate(bench, n)
-            cpu[n] += _threads_cpu_s(pid) - c0
+            cpu[n] += tree_cpu_s(pid) - c0
     per_request = {n: cpu[n] / args.rounds * 1e3 for n in cpu}
     slope_us = (per_request[args.long] - per_request[args.short]) / (args.long - args.short) * 1e3
     long = seen[args.long]
@@ -234,10 +222,10 @@ async def under_load(bench: Bench, pid: int, engine_pid: int, args: argparse.Nam
         while time.perf_counter() < end:
             await s.generate(bench, args.long)
 
-    c0, e0, s0, t0 = _threads_cpu_s(pid), _threads_cpu_s(engine_pid), _self_cpu_s(), time.perf_counter()
+    c0, e0, s0, t0 = tree_cpu_s(pid), tree_cpu_s(engine_pid), _self_cpu_s(), time.perf_counter()
     await asyncio.gather(*(caller(s) for s in seen))
-    cpu, wall = _threads_cpu_s(pid) - c0, time.perf_counter() - t0
-    engine_cpu, client_cpu = _threads_cpu_s(engine_pid) - e0, _self_cpu_s() - s0
+    cpu, wall = tree_cpu_s(pid) - c0, time.perf_counter() - t0
+    engine_cpu, client_cpu = tree_cpu_s(engine_pid) - e0, _self_cpu_s() - s0
     tokens = sum(s.tokens for s in seen)
     messages = sum(s.messages for s in seen)
     gaps = [g for s in seen for g in s.gaps]

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import relay
+from benchmarks.scheduler import ROOT
 
 
 def test_streams_waiting_for_a_token_get_it_at_the_same_step() -> None:
@@ -38,7 +39,7 @@ def test_a_short_run_relays_every_token_and_reports_per_token_cost(tmp_path: Pat
     argv = ["--rounds", "2", "--short", "2", "--long", "6", "--streams", "4", "--seconds", "1", "--step-ms", "2"]
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.relay", *argv, "--output", str(out)],
-        cwd=relay.ROOT,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=150,
