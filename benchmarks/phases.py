@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import paired, serving, serving_proxies
+from benchmarks.process_cpu import tree_cpu_by_thread_s
 from benchmarks.process_cpu import tree_cpu_s as _tree_cpu_s
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -299,9 +300,15 @@ async def measure(
                     k = i % len(order)
                     for key, call, engine in order[k:] + order[:k]:
                         await asyncio.sleep(args.quiet_s)  # let the last engine's worker stop spinning
+                        threads0 = tree_cpu_by_thread_s(pids[engine]) if engine else {}
                         cpu0 = cpu_by_process()
                         row[f"{key}_sent"], row[key] = await call()
                         used = {proc: cpu_s - cpu0[proc] for proc, cpu_s in cpu_by_process().items()}
+                        if engine:
+                            threads1 = tree_cpu_by_thread_s(pids[engine])
+                            row[f"{key}_cpu_by_thread"] = {
+                                name: s - threads0.get(name, 0.0) for name, s in threads1.items()
+                            }
                         row[f"{key}_cpu_by_process"] = used
                         row[f"{key}_cpu_s"] = used[engine] if engine else float("nan")
                     await asyncio.sleep(args.quiet_s)  # nor the next prompt's requests
@@ -378,6 +385,17 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
                 put(name.format("gap"), ts[1] - ts[0])
                 for proc, cpu_s in r.get(f"{key}_cpu_by_process", {}).items():
                     put(f"{name.format('cpu')}.{proc}", cpu_s)
+            for key, engine in _THREAD_CPU_ENGINES:
+                for thread, cpu_s in r.get(f"{key}_cpu_by_thread", {}).items():
+                    put(f"threads.{engine}.{thread}", cpu_s)
+    # A thread group that used nothing in some request is not in that request's row: its CPU
+    # there was 0, so the series are padded before their medians are taken.
+    for engine_rows in {k.split(".")[1] for k in series if k.startswith("threads.")}:
+        prefix = f"threads.{engine_rows}."
+        n = max(len(v) for k, v in series.items() if k.startswith(prefix))
+        for k, v in series.items():
+            if k.startswith(prefix):
+                v.extend([0.0] * (n - len(v)))
     p50 = {k: float(np.nanmedian(v)) for k, v in series.items()}
 
     def paired(a: str, b: str) -> float:
@@ -560,7 +578,33 @@ def markdown(res: dict[str, Any]) -> str:
             "|---|" + "---:|" * len(procs),
             *[f"| {which} | " + " | ".join(f"{v:.1f}" for v in vals) + " |" for which, vals in cpu.items()],
         ]
+        lines += _thread_cpu_table(p)
     return "\n".join(lines) + "\n"
+
+
+# Plain requests whose engine's threads are counted one by one: (row key, engine name in series).
+_THREAD_CPU_ENGINES = (("plain_instance", "plain"), ("plain_d_quiet", "decode"), ("plain_twin", "twin"))
+
+
+def _thread_cpu_table(p: dict[str, float], floor_ms: float = 0.05) -> list[str]:
+    """The engines' CPU per plain request by thread (process name/thread name, p50 ms): where
+    the decode engine's extra CPU goes, next to the plain vLLM's (and the twin's)."""
+    engines = [e for _, e in _THREAD_CPU_ENGINES if any(k.startswith(f"threads.{e}.") for k in p)]
+    if not engines:
+        return []
+    threads = sorted({k.split(".", 2)[2] for k in p if k.startswith("threads.")})
+    rows = [
+        (t, [p.get(f"threads.{e}.{t}", 0.0) for e in engines])
+        for t in threads
+        if max(p.get(f"threads.{e}.{t}", 0.0) for e in engines) >= floor_ms
+    ]
+    rows.sort(key=lambda r: -max(r[1]))
+    return [
+        "",
+        "| CPU per plain request by thread, p50 ms | " + " | ".join(engines) + " |",
+        "|---|" + "---:|" * len(engines),
+        *[f"| {t} | " + " | ".join(f"{v:.2f}" for v in vals) + " |" for t, vals in rows],
+    ]
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvpush.services.common.logs import get_logger
+from kvpush.services.common.thread_names import name_native_thread
 
 log = get_logger("kvpush.connector.fence")
 
@@ -93,6 +94,7 @@ class FenceGate:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        name_native_thread("kv-fence-gate")
         while True:
             item = self._queue.get()
             if item is _STOP:

@@ -29,6 +29,7 @@ from kvpush.services.common.grpc_util import CHANNEL_OPTIONS
 from kvpush.services.common.leg_macs import EngineKeyRing
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.security import Security
+from kvpush.services.common.thread_names import name_native_thread
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
@@ -224,6 +225,7 @@ class Registration:
         yield report  # goodbye: a clean deregistration
 
     def _run(self) -> None:
+        name_native_thread("kv-register")
         backoff = 0.2
         while not self._stop.is_set():
             channel = self.security.sync_channel(self.cfg.scheduler_address, CHANNEL_OPTIONS)

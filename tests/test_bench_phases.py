@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -191,6 +192,33 @@ def test_phases_split_the_prefill_leg_and_pair_it_with_the_plain_requests(tmp_pa
     assert d2["tpot_ratio_decode_engine_to_plain_instance"] == d["tpot_ratio_decode_engine_to_plain_instance"]
     md2 = _markdown(res2)
     assert "| TPOT per request, the twin | 11.00 | 1.375 |" in md2
+    assert "CPU per plain request by thread" not in md2  # rows without a per-thread count
+
+    # Each engine's CPU per plain request by thread: a group missing from a request used nothing
+    # there (a median over 0 and 4 ms, not over 4 ms alone), and groups under the floor are left out.
+    threads = {
+        "plain_instance_cpu_by_thread": {"VLLM::EngineCor/main": 0.040, "VLLM::EngineCor/gloo_tcp_loop": 0.002},
+        "plain_d_quiet_cpu_by_thread": {"VLLM::EngineCor/main": 0.044, "VLLM::EngineCor/kv-poller-0": 0.004},
+    }
+    rows = [
+        {**row, **twin, **threads},
+        {
+            **row,
+            **twin,
+            **threads,
+            "plain_d_quiet_cpu_by_thread": {"VLLM::EngineCor/main": 0.046, "VLLM::EngineCor/idle": 0.00001},
+        },
+    ]
+    res3 = phases.analyse(rows, phases.Trace(p_log, d_log))
+    p3 = res3["p50_ms"]
+    assert p3["threads.decode.VLLM::EngineCor/main"] == pytest.approx(45.0, abs=0.01)
+    assert p3["threads.decode.VLLM::EngineCor/kv-poller-0"] == pytest.approx(2.0, abs=0.01)
+    assert p3["threads.plain.VLLM::EngineCor/main"] == pytest.approx(40.0, abs=0.01)
+    md3 = _markdown(res3)
+    assert "| CPU per plain request by thread, p50 ms | plain | decode |" in md3
+    assert "| VLLM::EngineCor/main | 40.00 | 45.00 |" in md3
+    assert "| VLLM::EngineCor/kv-poller-0 | 0.00 | 2.00 |" in md3
+    assert "VLLM::EngineCor/idle" not in md3
     assert "| `Generate` TPOT per request, against both plain vLLMs' mean | | 1.684 |" in md2
 
 
@@ -243,6 +271,37 @@ def test_tree_cpu_counts_this_process_threads() -> None:
     used = phases._tree_cpu_s(os.getpid()) - before
     assert 0.04 <= used < 5.0
     assert math.isnan(phases._tree_cpu_s(None))
+
+
+def test_cpu_by_thread_tells_a_named_thread_from_the_rest() -> None:
+    from benchmarks.process_cpu import tree_cpu_by_thread_s
+    from kvpush.services.common.thread_names import name_native_thread
+
+    named, done = threading.Event(), threading.Event()
+    result: list[bool] = []
+
+    def spin() -> None:
+        result.append(name_native_thread("kv-test-spinner-long-name"))  # cut to 15 bytes
+        deadline = time.thread_time() + 0.05
+        while time.thread_time() < deadline:  # 50 ms of CPU on this thread
+            pass
+        named.set()
+        done.wait(10)
+
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    assert named.wait(10)
+    try:
+        by_thread = tree_cpu_by_thread_s(os.getpid())
+        proc = Path(f"/proc/{os.getpid()}/comm").read_text().strip()
+        assert result == [True]
+        assert 0.04 <= by_thread[f"{proc}/kv-test-spinner"] < 5.0
+        assert f"{proc}/main" in by_thread
+        assert sum(by_thread.values()) == pytest.approx(phases._tree_cpu_s(os.getpid()), rel=0.05)
+    finally:
+        done.set()
+        t.join(10)
+    assert tree_cpu_by_thread_s(None) == {}
 
 
 @pytest.mark.parametrize("plain_first", [False, True])

@@ -9,16 +9,20 @@ from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from kvpush.services.common.thread_names import name_native_thread
+
 T = TypeVar("T")
 
 
 class LoopThread:
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, native_name: str | None = None) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._native_name = native_name or name
         self._started = threading.Event()
 
     def _run(self) -> None:
+        name_native_thread(self._native_name)
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._started.set)
         self.loop.run_forever()

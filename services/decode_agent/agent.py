@@ -129,7 +129,7 @@ class DecodeAgent:
         self.on_settled = on_settled
         self.rerouter = rerouter
         self._epochs = itertools.count(1)
-        self._loop = LoopThread("kvpush-decode-agent")
+        self._loop = LoopThread("kvpush-decode-agent", "kv-dagent")
         # Keyed by (transfer_id, epoch): a superseded epoch stays here until its fence settles.
         self._transfers: dict[tuple[str, int], _Pending] = {}
         self._latest: dict[str, int] = {}  # transfer_id -> newest epoch

@@ -29,6 +29,7 @@ from kvpush.services.common.logs import get_logger
 from kvpush.services.common.nixl_engine import NixlEngine
 from kvpush.services.common.refusal import RefusalCode
 from kvpush.services.common.security import DECODE_RANK_POLICY, PREFILL, Security, claim_problem, peer_identity
+from kvpush.services.common.thread_names import name_native_thread
 from kvpush.services.decode_agent import metrics
 from kvpush.services.decode_agent.barrier import BarrierTable, CompletionError, Outcome, Released
 from kvpush.services.decode_agent.cadence import PollCadence
@@ -113,7 +114,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         self._on_queued = on_queued
         self._on_first_token = on_first_token
         self._released: Handoff[Released] = Handoff()
-        self._loop = LoopThread(f"kvpush-decode-rank-{config.rank}")
+        self._loop = LoopThread(f"kvpush-decode-rank-{config.rank}", f"kv-drank-{config.rank}")
         self._server: grpc.aio.Server | None = None
         self.port = 0
         self._active = threading.Event()  # set while any barrier waits, or a first token
@@ -191,6 +192,7 @@ class DecodeRank(pb_grpc.DecodeRankServicer):
         """Fast while a transfer is expected (less so while the engine runs forwards on the same
         core: cadence.py); slow otherwise, so a WRITE that arrives before its expectation (or
         for a transfer already settled) still completes instead of hanging."""
+        name_native_thread(f"kv-poller-{self.config.rank}")
         while not self._stopping.is_set():
             if self._active.is_set():
                 time.sleep(self.cadence.nap(True, time.monotonic()))

@@ -186,7 +186,7 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         self._released: Handoff[ReleaseBlocks] = Handoff()
         self._draining = False
         self._streams = itertools.count(1)
-        self._loop = LoopThread(f"kvpush-prefill-{config.rank}")
+        self._loop = LoopThread(f"kvpush-prefill-{config.rank}", f"kv-prefill-{config.rank}")
         self._channels: OrderedDict[str, grpc.aio.Channel] = OrderedDict()
         self._server: grpc.aio.Server | None = None
         self.port = 0

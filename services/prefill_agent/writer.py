@@ -23,6 +23,7 @@ from kvpush.services.common.layout import RankRegions, regions_of
 from kvpush.services.common.logs import get_logger
 from kvpush.services.common.nixl_engine import NixlEngine, NixlError
 from kvpush.services.common.refusal import RefusalCode
+from kvpush.services.common.thread_names import name_native_thread
 from kvpush.services.common.tp import HeadSlice, slices_from_prefill_rank
 from kvpush.services.prefill_agent import metrics
 from kvpush.services.prefill_agent.notices import CompletionNotices, NoticeTarget
@@ -238,6 +239,7 @@ class PushWriter:
     # ----- the thread ---------------------------------------------------------------------
 
     def _run(self) -> None:
+        name_native_thread(f"kv-writer-{self.rank}")
         next_expiry = self.clock() + EXPIRY_PERIOD_S
         while True:
             if self._in_flight:
