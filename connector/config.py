@@ -130,9 +130,9 @@ class ConnectorConfig:
     completion_rpc_delay_ms: float = 200.0
     # Prometheus: the engine-core process serves base, worker rank r serves base + 1 + r; 0: off.
     metrics_base_port: int = 0
-    # Logs each request's first scheduling and its end (scheduler process) and each step's forward
-    # end (worker), for every request, kvpush or not: the per-phase benchmark's timeline
-    # (benchmarks/phases.py). A log line per step: off in production.
+    # Logs each request's first scheduling and its end (scheduler process) and the forward end of
+    # each step that scheduled a new request (worker), for every request, kvpush or not: the
+    # per-phase benchmark's timeline (benchmarks/phases.py). Off in production.
     trace_steps: bool = False
 
     @classmethod

@@ -74,3 +74,6 @@ class PushMetadata(KVConnectorMetadata):
     # Decode: tokens this step's forward computes (0: a step without a forward), so the decode
     # rank's NIXL poller naps longer while the engine decodes on its core (cadence.py).
     forward_tokens: int = 0
+    # With ``trace_steps``: this step schedules a new request, so its forward's end is logged
+    # (``forward_done``): the per-phase benchmark reads only those (benchmarks/phases.py).
+    trace_forward: bool = False

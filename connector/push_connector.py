@@ -103,10 +103,14 @@ class KvPushConnector(KVConnectorBase_V1):
         return tuple(range(self._num_groups))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        if self._trace is not None:
+        trace = self._trace if scheduler_output.scheduled_new_reqs else None
+        if trace is not None:
             for new in scheduler_output.scheduled_new_reqs:
-                self._trace.info("request_scheduled", request_id=new.req_id)
-        return self._sched.build_connector_meta(scheduler_output)
+                trace.info("request_scheduled", request_id=new.req_id)
+        meta = self._sched.build_connector_meta(scheduler_output)
+        if trace is not None and isinstance(meta, self._push_metadata_type):
+            meta.trace_forward = True  # its forward's end is logged too (wait_for_save)
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self._decode:
@@ -168,9 +172,12 @@ class KvPushConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         meta = self._connector_metadata  # this step's, bound by bind_connector_metadata (or None)
-        if self._trace is not None:
+        push_meta = meta if isinstance(meta, self._push_metadata_type) else None
+        if self._trace is not None and push_meta is not None and push_meta.trace_forward:
+            # Only the forward of a step that scheduled a new request: a line in every decode step
+            # slowed the decode engine it traced by 7-11 % (docs/bench_phases.md, runs 149-151).
             self._trace.info("forward_done")
-        self._worker.wait_for_save(meta if isinstance(meta, self._push_metadata_type) else None)
+        self._worker.wait_for_save(push_meta)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         res = self.worker.transfer_results(finished_req_ids) if self.worker is not None else None
