@@ -175,7 +175,7 @@ class KvPushConnector(KVConnectorBase_V1):
         push_meta = meta if isinstance(meta, self._push_metadata_type) else None
         if self._trace is not None and push_meta is not None and push_meta.trace_forward:
             # Only the forward of a step that scheduled a new request: a line in every decode step
-            # slowed the decode engine it traced by 7-11 % (docs/bench_phases.md, runs 149-151).
+            # slowed the decode engine it traced by 7-11 % (docs/bench_phases.md, "The step trace's own cost").
             self._trace.info("forward_done")
         self._worker.wait_for_save(push_meta)
 
