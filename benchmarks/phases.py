@@ -390,8 +390,8 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
                     put(f"threads.{engine}.{thread}", cpu_s)
     # A thread group that used nothing in some request is not in that request's row: its CPU
     # there was 0, so the series are padded before their medians are taken.
-    for engine_rows in {k.split(".")[1] for k in series if k.startswith("threads.")}:
-        prefix = f"threads.{engine_rows}."
+    for engine in {k.split(".")[1] for k in series if k.startswith("threads.")}:
+        prefix = f"threads.{engine}."
         n = max(len(v) for k, v in series.items() if k.startswith(prefix))
         for k, v in series.items():
             if k.startswith(prefix):
