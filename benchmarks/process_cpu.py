@@ -3,7 +3,27 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
+
+
+def _tree_tasks(pid: int) -> Iterator[tuple[int, Path]]:
+    """(process id, /proc task directory) of every thread of ``pid`` and its descendants; nothing
+    when ``pid`` is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        with contextlib.suppress(OSError):  # ended meanwhile
+            yield from ((proc.pid, task) for task in Path(f"/proc/{proc.pid}/task").glob("*"))
+
+
+def _run_ns(task: Path) -> int:
+    return int((task / "schedstat").read_text().split()[0])
 
 
 def tree_cpu_s(pid: int | None) -> float:
@@ -12,18 +32,10 @@ def tree_cpu_s(pid: int | None) -> float:
     server, engine core, and the threads the connector runs in them."""
     if pid is None:
         return float("nan")
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return float("nan")
     total_ns = 0
-    for proc in procs:
-        for task in Path(f"/proc/{proc.pid}/task").glob("*"):
-            with contextlib.suppress(OSError, ValueError, IndexError):  # ended meanwhile
-                total_ns += int((task / "schedstat").read_text().split()[0])
+    for _, task in _tree_tasks(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # ended meanwhile
+            total_ns += _run_ns(task)
     return total_ns / 1e9
 
 
@@ -31,22 +43,16 @@ def tree_cpu_by_thread_s(pid: int | None) -> dict[str, float]:
     """The same, by thread: CPU seconds so far per ``process name/thread name`` (the kernel's
     names; a process's first thread is ``main``), threads of one name summed. The connector names
     its own threads (services/common/thread_names.py), so they are told from vLLM's."""
-    if pid is None:
-        return {}
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return {}
     by_name: dict[str, float] = {}
-    for proc in procs:
-        with contextlib.suppress(OSError):
-            proc_name = Path(f"/proc/{proc.pid}/comm").read_text().strip()
-            for task in Path(f"/proc/{proc.pid}/task").glob("*"):
-                with contextlib.suppress(OSError, ValueError, IndexError):  # ended meanwhile
-                    name = "main" if task.name == str(proc.pid) else (task / "comm").read_text().strip()
-                    key = f"{proc_name}/{name}"
-                    by_name[key] = by_name.get(key, 0.0) + int((task / "schedstat").read_text().split()[0]) / 1e9
+    if pid is None:
+        return by_name
+    proc_names: dict[int, str] = {}
+    for proc_pid, task in _tree_tasks(pid):
+        with contextlib.suppress(OSError, ValueError, IndexError):  # ended meanwhile
+            if proc_pid not in proc_names:
+                proc_names[proc_pid] = Path(f"/proc/{proc_pid}/comm").read_text().strip()
+            proc_name = proc_names[proc_pid]
+            name = "main" if task.name == str(proc_pid) else (task / "comm").read_text().strip()
+            key = f"{proc_name}/{name}"
+            by_name[key] = by_name.get(key, 0.0) + _run_ns(task) / 1e9
     return by_name
