@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -43,7 +43,25 @@ def tree_cpu_by_thread_s(pid: int | None) -> dict[str, float]:
     """The same, by thread: CPU seconds so far per ``process name/thread name`` (the kernel's
     names; a process's first thread is ``main``), threads of one name summed. The connector names
     its own threads (services/common/thread_names.py), so they are told from vLLM's."""
-    by_name: dict[str, float] = {}
+    return {k: ns / 1e9 for k, ns in _by_thread(pid, _run_ns).items()}
+
+
+def tree_wakes_by_thread(pid: int | None) -> dict[str, int]:
+    """Voluntary context switches so far (how often a thread blocked, hence was woken), keyed as
+    ``tree_cpu_by_thread_s``: a thread that naps on a timer shows its cadence here."""
+    return _by_thread(pid, _voluntary_switches)
+
+
+def _voluntary_switches(task: Path) -> int:
+    for line in (task / "status").read_text().splitlines():
+        if line.startswith("voluntary_ctxt_switches:"):
+            return int(line.split()[1])
+    return 0
+
+
+def _by_thread(pid: int | None, read: Callable[[Path], int]) -> dict[str, int]:
+    """``read(task)`` of every thread of ``pid``'s tree, summed per ``process name/thread name``."""
+    by_name: dict[str, int] = {}
     if pid is None:
         return by_name
     proc_names: dict[int, str] = {}
@@ -54,5 +72,5 @@ def tree_cpu_by_thread_s(pid: int | None) -> dict[str, float]:
             proc_name = proc_names[proc_pid]
             name = "main" if task.name == str(proc_pid) else (task / "comm").read_text().strip()
             key = f"{proc_name}/{name}"
-            by_name[key] = by_name.get(key, 0.0) + _run_ns(task) / 1e9
+            by_name[key] = by_name.get(key, 0) + read(task)
     return by_name

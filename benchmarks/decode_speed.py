@@ -1,0 +1,260 @@
+"""The decode engine's own speed, against vLLM with and without a KV connector (``make
+bench-decode-speed``).
+
+The kvpush pair as ``make bench-phases`` starts it (P on the first core, D on the last), then on
+D's core a plain vLLM (no connector) and a reference vLLM holding a KV connector that does nothing
+(benchmarks/null_connector.py: vLLM's connector plumbing without ours). Each round first sends
+``--pd`` P/D requests through the pair (``Assign``, both legs, ``Release``), ``--generate``
+``Generate`` calls, ``--pd-waiting`` P/D requests with a plain request decoding while each waits for
+its prefill leg and ``--pd-busy`` whose KV lands while one decodes (``--pd 1 --generate 1
+--pd-waiting 1 --pd-busy 1`` is what ``make bench-phases`` sends the decode engine per prompt),
+then the round's prompt as a plain streamed request to each of the three
+engines, in rotating order, each after ``--quiet-s`` of nothing (vLLM's CPU worker busy-waits for a
+while after each step, which would slow whichever engine runs next on the shared core). Per plain
+request: its TPOT, and each engine thread's CPU and wake-ups (voluntary context switches, by
+thread name: the connector names its own threads, services/common/thread_names.py).
+
+Ratios are per prompt (the same prompt on each engine, seconds apart), their median per launch.
+Two launches of one engine differ by more than most of what this measures (docs/bench_phases.md),
+so compare settings over several launches, alternating. Without the connector's step trace
+(``trace_steps``): its per-step line was what cost the traced decode engine 7-11 %.
+
+Writes JSON (default bench-results/decode_speed.json) and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks import paired, serving, serving_proxies
+from benchmarks.process_cpu import tree_cpu_by_thread_s, tree_wakes_by_thread
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINES = ("plain", "null", "decode")  # a plain vLLM, the do-nothing connector, kvpush's decode engine
+NULL_KV = {
+    "kv_connector": "NullConnector",
+    "kv_connector_module_path": "benchmarks.null_connector",
+    "kv_role": "kv_consumer",
+}
+_ENGINE_THREAD = "VLLM::EngineCor/main"  # the engine core process's own thread: the engine loop
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-len", type=int, default=1024)
+    ap.add_argument("--requests", type=int, default=20, help="rounds measured (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--output-len", type=int, default=16, help="tokens of each plain streamed request")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pd", type=int, default=0, help="P/D requests (Assign path) through the pair per round")
+    ap.add_argument("--generate", type=int, default=0, help="Generate calls (first-token hand-off) per round")
+    ap.add_argument(
+        "--pd-waiting",
+        type=int,
+        default=0,
+        help="P/D requests per round with a plain request decoding while each waits",
+    )
+    ap.add_argument(
+        "--pd-busy", type=int, default=0, help="P/D requests per round whose KV lands while a plain request decodes"
+    )
+    ap.add_argument("--quiet-s", type=float, default=1.2, help="pause before each plain request")
+    ap.add_argument("--model-dir", type=Path, default=ROOT / "models" / "tiny-llama")
+    ap.add_argument("--log-dir", type=Path, default=ROOT / "runs" / "bench-decode-speed")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "decode_speed.json")
+    ap.add_argument("--serving-arg", action="append", default=[], help="passed to the serving harness, repeatable")
+    args = ap.parse_args(argv)
+    if min(args.pd, args.generate, args.pd_waiting, args.pd_busy, args.warmup) < 0 or args.requests < 1:
+        ap.error("--pd, --generate, --pd-waiting, --pd-busy and --warmup must be >= 0, --requests >= 1")
+    return args
+
+
+def _tpot(ts: Sequence[float]) -> float:
+    return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else float("nan")
+
+
+def _since(now: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
+    """What each thread group added since ``before`` (groups that added nothing left out)."""
+    return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0) > 0}
+
+
+async def measure(
+    pair: Any, engines: dict[str, Any], args: argparse.Namespace, prompts: list[list[int]]
+) -> list[dict[str, Any]]:
+    from google.protobuf.json_format import MessageToDict
+
+    from kvpush.v1 import kvpush_pb2 as pb
+    from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+
+    c = serving_proxies.Client(120)
+    n = args.output_len
+    rows: list[dict[str, Any]] = []
+    try:
+        async with pair.scheduler.security().aio_channel(pair.scheduler.address) as ch:
+            stub = pb_grpc.SchedulerStub(ch)
+
+            def plain_decode(prompt: list[int]) -> asyncio.Task[list[float]]:
+                return asyncio.create_task(c.token_times(pair.decode.base_url, prompt, n, None, uuid.uuid4().hex))
+
+            async def pd_request(prompt: list[int], kind: str = "") -> None:
+                """``Assign`` and both legs. ``waiting``: a plain request decodes on the decode
+                engine while the transfer waits for its prefill leg; ``busy``: one runs while
+                the KV lands (the two bench-phases sends besides the plain P/D request)."""
+                plain = plain_decode(prompt) if kind == "busy" else None
+                a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=30)
+                params = MessageToDict(a.decode_kv_transfer_params)
+                d_leg = asyncio.create_task(c.token_times(pair.decode.base_url, prompt, n, params, uuid.uuid4().hex))
+                if kind == "waiting":
+                    await plain_decode(prompt)
+                await c.once(
+                    pair.prefill.base_url, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), uuid.uuid4().hex
+                )
+                await d_leg
+                if plain is not None:
+                    await plain
+                await serving_proxies.release_assignment(stub, a, pb.OUTCOME_OK)
+
+            async def generate(prompt: list[int]) -> None:
+                req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
+                async for _ in stub.Generate(req, timeout=120):
+                    pass
+
+            for i, prompt in enumerate(prompts):
+                for _ in range(args.pd):
+                    await pd_request(prompt)
+                for _ in range(args.generate):
+                    await generate(prompt)
+                for kind in ("waiting", "busy"):
+                    for _ in range(getattr(args, f"pd_{kind}")):
+                        await pd_request(prompt, kind)
+                row: dict[str, Any] = {"warmup": i < args.warmup}
+                k = i % len(ENGINES)
+                for name in ENGINES[k:] + ENGINES[:k]:  # none always first after the pause
+                    await asyncio.sleep(args.quiet_s)
+                    pid = engines[name].pid
+                    cpu0, wakes0 = tree_cpu_by_thread_s(pid), tree_wakes_by_thread(pid)
+                    ts = await c.token_times(engines[name].base_url, prompt, n, None, uuid.uuid4().hex)
+                    row[name] = {
+                        "tpot": _tpot(ts),
+                        "cpu_by_thread": _since(tree_cpu_by_thread_s(pid), cpu0),
+                        "wakes_by_thread": _since(tree_wakes_by_thread(pid), wakes0),
+                    }
+                rows.append(row)
+    finally:
+        await c.close()
+    return rows
+
+
+def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per-prompt ratios and their medians; each engine's TPOT, engine-thread CPU and per-thread
+    CPU (ms) and wake-ups, p50 over the measured rounds (a thread absent from a round: 0 there)."""
+    rows = [r for r in rows if not r["warmup"]]
+    if not rows:
+        raise ValueError("no measured rounds")
+
+    def per_prompt(num: str, den: tuple[str, ...], key: str) -> list[float]:
+        def value(r: dict[str, Any], e: str) -> float:
+            return float(r[e]["tpot"] if key == "tpot" else r[e]["cpu_by_thread"].get(_ENGINE_THREAD, math.nan))
+
+        return [value(r, num) / math.exp(np.mean([math.log(value(r, d)) for d in den])) for r in rows]
+
+    ratios: dict[str, float] = {}
+    for key in ("tpot", "engine_cpu"):
+        for label, num, den in (
+            ("decode/plain", "decode", ("plain",)),
+            ("null/plain", "null", ("plain",)),
+            ("decode/null", "decode", ("null",)),
+            ("decode/both", "decode", ("plain", "null")),
+        ):
+            ratios[f"{key} {label}"] = float(np.nanmedian(per_prompt(num, den, key)))
+    engines: dict[str, dict[str, Any]] = {}
+    for e in ENGINES:
+        threads = sorted(
+            {t for r in rows for t in r[e]["cpu_by_thread"]} | {t for r in rows for t in r[e]["wakes_by_thread"]}
+        )
+        engines[e] = {
+            "tpot_ms": float(np.nanmedian([r[e]["tpot"] for r in rows])) * 1e3,
+            "cpu_ms_by_thread": {
+                t: float(np.median([r[e]["cpu_by_thread"].get(t, 0.0) for r in rows])) * 1e3 for t in threads
+            },
+            "wakes_by_thread": {
+                t: float(np.median([r[e]["wakes_by_thread"].get(t, 0) for r in rows])) for t in threads
+            },
+        }
+    return {"n": len(rows), "ratios": ratios, "engines": engines}
+
+
+def markdown(res: dict[str, Any], floor_ms: float = 0.05) -> str:
+    cfg, r, e = res["config"], res["ratios"], res["engines"]
+    lines = [
+        f"Prompt {cfg['prompt_len']} tokens, {res['n']} rounds, {cfg['output_len']} output tokens, per round "
+        f"{cfg['pd']} P/D (`Assign`), {cfg['generate']} `Generate`, {cfg.get('pd_waiting', 0)} waiting and "
+        f"{cfg.get('pd_busy', 0)} busy P/D requests; load average "
+        f"{res['load_before']:.2f} before, {res['load_after']:.2f} after; {res['host']}.",
+        "",
+        "| plain requests, median of per-prompt ratios | TPOT | engine thread CPU |",
+        "|---|---:|---:|",
+        *[
+            f"| {label} | {r[f'tpot {label}']:.3f} | {r[f'engine_cpu {label}']:.3f} |"
+            for label in ("decode/plain", "null/plain", "decode/null", "decode/both")
+        ],
+        "",
+        "(plain: a plain vLLM; null: a vLLM with a do-nothing KV connector; decode: kvpush's decode "
+        "engine; both: the geometric mean of plain and null.) TPOT p50 ms: "
+        + ", ".join(f"{x} {e[x]['tpot_ms']:.2f}" for x in ENGINES)
+        + ".",
+        "",
+        "| per plain request by thread, p50 | " + " | ".join(f"{x} CPU ms | {x} wakes" for x in ENGINES) + " |",
+        "|---|" + "---:|" * (2 * len(ENGINES)),
+    ]
+    threads = sorted({t for x in ENGINES for t in e[x]["cpu_ms_by_thread"]})
+    table = []
+    for t in threads:
+        cpu = [e[x]["cpu_ms_by_thread"].get(t, 0.0) for x in ENGINES]
+        if max(cpu) < floor_ms:
+            continue
+        cells = " | ".join(
+            f"{c:.2f} | {e[x]['wakes_by_thread'].get(t, 0.0):.0f}" for c, x in zip(cpu, ENGINES, strict=True)
+        )
+        table.append((max(cpu), f"| {t} | {cells} |"))
+    lines += [row for _, row in sorted(table, key=lambda x: -x[0])]
+    return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def _engines(h: serving.Harness) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """The kvpush pair, then the plain vLLM and the do-nothing connector on D's core."""
+    with h.pair("ours") as pair:
+        refs = [h.server("plain-instance", h.d_core, None, {}), h.server("null-connector", h.d_core, NULL_KV, {})]
+        try:
+            h.start([(srv, h.d_core) for srv in refs])
+            yield pair, {"plain": refs[0], "null": refs[1], "decode": pair.decode}
+        finally:
+            for srv in refs:
+                srv.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    h, prompts = paired.setup(args, list(args.serving_arg), args.warmup + args.requests)
+    load_before = os.getloadavg()[0]
+    t_start = time.monotonic()
+    with _engines(h) as (pair, engines):
+        rows = asyncio.run(measure(pair, engines, args, prompts))
+    res = analyse(rows)
+    paired.write_report(args, res, markdown, load_before, t_start)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""The decode-speed benchmark's accounting (benchmarks/decode_speed.py) on synthetic rounds, and the
+per-thread wake-up counter it reads (benchmarks/process_cpu.py)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+import pytest
+
+from benchmarks import decode_speed
+from benchmarks.process_cpu import tree_wakes_by_thread
+from kvpush.services.common.thread_names import name_native_thread
+
+ENGINE = "VLLM::EngineCor/main"
+
+
+def _round(tpot: dict[str, float], cpu: dict[str, float], warmup: bool = False) -> dict[str, Any]:
+    row: dict[str, Any] = {"warmup": warmup}
+    for e in decode_speed.ENGINES:
+        threads = {ENGINE: cpu[e]}
+        wakes = {ENGINE: 50.0}
+        if e == "decode":
+            threads["VLLM::EngineCor/kv-poller-0"] = 0.0005
+            wakes["VLLM::EngineCor/kv-poller-0"] = 4.0
+        row[e] = {"tpot": tpot[e], "cpu_by_thread": threads, "wakes_by_thread": wakes}
+    return row
+
+
+def test_ratios_are_per_prompt_medians_and_skip_warmup() -> None:
+    rows = [
+        # a warm-up round that would flip every ratio if it counted
+        _round({"plain": 0.010, "null": 0.010, "decode": 0.001}, {"plain": 0.1, "null": 0.1, "decode": 0.01}, True),
+        _round({"plain": 0.004, "null": 0.004, "decode": 0.0044}, {"plain": 0.05, "null": 0.05, "decode": 0.06}),
+        _round({"plain": 0.003, "null": 0.0033, "decode": 0.0033}, {"plain": 0.04, "null": 0.04, "decode": 0.04}),
+        _round({"plain": 0.005, "null": 0.005, "decode": 0.0055}, {"plain": 0.06, "null": 0.06, "decode": 0.066}),
+    ]
+    res = decode_speed.analyse(rows)
+    r = res["ratios"]
+    assert res["n"] == 3
+    assert r["tpot decode/plain"] == pytest.approx(1.1)
+    assert r["tpot null/plain"] == pytest.approx(1.0)
+    # per prompt: 1.1, 1.0, 1.1 -> median 1.1 (not the ratio of medians, 4.4/4.0)
+    assert r["tpot decode/null"] == pytest.approx(1.1)
+    # against both: decode over the geometric mean of plain and null, per prompt
+    assert r["tpot decode/both"] == pytest.approx(0.0044 / 0.004)
+    assert r["engine_cpu decode/plain"] == pytest.approx(1.1)
+    assert r["engine_cpu decode/both"] == pytest.approx(1.1)
+    dec = res["engines"]["decode"]
+    assert dec["tpot_ms"] == pytest.approx(4.4)
+    assert dec["cpu_ms_by_thread"]["VLLM::EngineCor/kv-poller-0"] == pytest.approx(0.5)
+    assert dec["wakes_by_thread"]["VLLM::EngineCor/kv-poller-0"] == 4.0
+    # a thread the plain vLLM does not have counts as nothing there, not as missing
+    assert "VLLM::EngineCor/kv-poller-0" not in res["engines"]["plain"]["cpu_ms_by_thread"]
+
+
+def test_a_thread_absent_from_a_round_counts_zero_there() -> None:
+    rows = [_round({e: 0.004 for e in decode_speed.ENGINES}, {e: 0.05 for e in decode_speed.ENGINES}) for _ in range(3)]
+    for row in rows[:2]:  # the poller did not run during two of the three requests
+        del row["decode"]["cpu_by_thread"]["VLLM::EngineCor/kv-poller-0"]
+        del row["decode"]["wakes_by_thread"]["VLLM::EngineCor/kv-poller-0"]
+    dec = decode_speed.analyse(rows)["engines"]["decode"]
+    assert dec["cpu_ms_by_thread"]["VLLM::EngineCor/kv-poller-0"] == 0.0
+    assert dec["wakes_by_thread"]["VLLM::EngineCor/kv-poller-0"] == 0.0
+
+
+def test_no_measured_round_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no measured rounds"):
+        decode_speed.analyse(
+            [_round({e: 0.004 for e in decode_speed.ENGINES}, {e: 0.05 for e in decode_speed.ENGINES}, True)]
+        )
+
+
+def test_markdown_reports_ratios_and_the_threads_that_used_cpu() -> None:
+    rows = [_round({"plain": 0.004, "null": 0.004, "decode": 0.0044}, {"plain": 0.05, "null": 0.05, "decode": 0.055})]
+    res = decode_speed.analyse(rows)
+    res.update(
+        config={"prompt_len": 1024, "output_len": 16, "pd": 2, "generate": 0},
+        host="2 CPUs",
+        load_before=0.5,
+        load_after=0.6,
+    )
+    md = decode_speed.markdown(res)
+    assert "| decode/plain | 1.100 | 1.100 |" in md
+    assert "2 P/D (`Assign`), 0 `Generate`, 0 waiting and 0 busy P/D requests" in md
+    assert f"| {ENGINE} | 50.00 | 50 | 50.00 | 50 | 55.00 | 50 |" in md
+    assert "kv-poller-0 | 0.00 | 0 | 0.00 | 0 | 0.50 | 4 |" in md
+
+
+def test_arguments_are_bounded() -> None:
+    with pytest.raises(SystemExit):
+        decode_speed.parse_args(["--pd", "-1"])
+    args = decode_speed.parse_args(["--pd", "2", "--generate", "1"])
+    assert (args.pd, args.generate, args.requests) == (2, 1, 20)
+
+
+def test_wakes_by_thread_counts_a_named_threads_voluntary_switches() -> None:
+    stop, named = threading.Event(), threading.Event()
+
+    def sleeper() -> None:
+        name_native_thread("kv-test-sleeper")
+        named.set()
+        while not stop.wait(0.001):  # each timed wait gives the CPU up: a voluntary switch
+            pass
+
+    t = threading.Thread(target=sleeper)
+    t.start()
+    try:
+        assert named.wait(10)
+        first = _sleeper_wakes()
+        now = first
+        for _ in range(200):  # bounded: the thread wakes every millisecond
+            now = _sleeper_wakes()
+            if now >= first + 5:
+                break
+            stop.wait(0.005)
+        assert now >= first + 5
+    finally:
+        stop.set()
+        t.join(10)
+    assert _sleeper_wakes() == 0  # gone once it ended
+
+
+def _sleeper_wakes() -> float:
+    """This process's ``<process name>/kv-test-sleeper`` count (keyed as the CPU counter keys)."""
+    counts = tree_wakes_by_thread(os.getpid())
+    return sum(v for k, v in counts.items() if k.endswith("/kv-test-sleeper"))
