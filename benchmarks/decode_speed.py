@@ -7,7 +7,7 @@ D's core a plain vLLM (no connector) and a reference vLLM holding a KV connector
 ``--pd`` P/D requests through the pair (``Assign``, both legs, ``Release``), ``--generate``
 ``Generate`` calls, ``--pd-waiting`` P/D requests with a plain request decoding while each waits for
 its prefill leg and ``--pd-busy`` whose KV lands while one decodes (``--pd 1 --generate 1
---pd-waiting 1 --pd-busy 1`` is what ``make bench-phases`` sends the decode engine per prompt),
+--pd-waiting 1 --pd-busy 1`` is ``make bench-phases``' P/D traffic per prompt),
 then the round's prompt as a plain streamed request to each of the three
 engines, in rotating order, each after ``--quiet-s`` of nothing (vLLM's CPU worker busy-waits for a
 while after each step, which would slow whichever engine runs next on the shared core). Per plain
