@@ -79,10 +79,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _tpot(ts: Sequence[float]) -> float:
-    return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else float("nan")
-
-
 def _since(now: Mapping[str, float], before: Mapping[str, float]) -> dict[str, float]:
     """What each thread group added since ``before`` (groups that added nothing left out)."""
     return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0) > 0}
@@ -145,7 +141,7 @@ async def measure(
                     cpu0, wakes0 = tree_cpu_by_thread_s(pid), tree_wakes_by_thread(pid)
                     ts = await c.token_times(engines[name].base_url, prompt, n, None, uuid.uuid4().hex)
                     row[name] = {
-                        "tpot": _tpot(ts),
+                        "tpot": paired.tpot(ts),
                         "cpu_by_thread": _since(tree_cpu_by_thread_s(pid), cpu0),
                         "wakes_by_thread": _since(tree_wakes_by_thread(pid), wakes0),
                     }

@@ -44,6 +44,12 @@ def setup(args: argparse.Namespace, extra: Sequence[str], count: int) -> tuple[H
     return h, prompts
 
 
+def tpot(token_times: Sequence[float]) -> float:
+    """Time per output token of one streamed request: first to last token over the gaps between."""
+    n = len(token_times)
+    return (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else float("nan")
+
+
 def write_report(
     args: argparse.Namespace,
     res: dict[str, Any],

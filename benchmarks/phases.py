@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import paired, serving, serving_proxies
+from benchmarks.paired import tpot
 from benchmarks.process_cpu import tree_cpu_by_thread_s
 from benchmarks.process_cpu import tree_cpu_s as _tree_cpu_s
 
@@ -182,10 +183,6 @@ async def _stream(c: serving_proxies.Client, url: str, prompt: list[int], n: int
     if len(out) != n:
         raise RuntimeError(f"{url}: {len(out)} tokens, expected {n}")
     return out
-
-
-def _tpot(ts: Sequence[float]) -> float:
-    return (ts[-1] - ts[0]) / (len(ts) - 1) if len(ts) > 1 else float("nan")
 
 
 async def measure(
@@ -358,17 +355,17 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
         put("generate.ttft", r["g_tokens"][0] - r["g_sent"])
         for k, v in trace.prefill_split(None, r["g_sent"], r["g_tokens"][0]).items():
             put(f"generate.{k}", v)
-        put("pd.tpot", _tpot(r["d_tokens"]))
-        put("generate.tpot", _tpot(r["g_tokens"]))
-        put("plain.tpot_decode", _tpot(r["plain_d"]))
-        put("plain.tpot_decode_transfer_waiting", _tpot(r["plain_d_pending"]))
+        put("pd.tpot", tpot(r["d_tokens"]))
+        put("generate.tpot", tpot(r["g_tokens"]))
+        put("plain.tpot_decode", tpot(r["plain_d"]))
+        put("plain.tpot_decode_transfer_waiting", tpot(r["plain_d_pending"]))
         if "busy_tid" in r:
             bw = trace.writes.get(r["busy_tid"], {})
             b_rel = trace.released.get(r["busy_tid"], float("nan"))
             put("busy.write_to_release", b_rel - (serving._ts(bw) if bw else float("nan")))
             put("busy.release_to_first_token", r["busy_d_tokens"][0] - b_rel)
         if "plain_instance" in r:
-            put("plain.tpot_decode_quiet", _tpot(r["plain_d_quiet"]))
+            put("plain.tpot_decode_quiet", tpot(r["plain_d_quiet"]))
             put("plain.cpu_instance_quiet", r["plain_instance_cpu_s"])
             put("plain.cpu_decode_quiet", r["plain_d_quiet_cpu_s"])
             for proc, cpu_s in r.get("plain_d_quiet_cpu_by_process", {}).items():
@@ -379,8 +376,8 @@ def analyse(rows: list[dict[str, Any]], trace: Trace) -> dict[str, Any]:
                 put("plain.cpu_twin_quiet", r["plain_twin_cpu_s"])
             for key, name in runs:
                 ts = r[key]
-                put(name.format("tpot"), _tpot(ts))
-                put(name.format("tpot2"), _tpot(ts[1:]))
+                put(name.format("tpot"), tpot(ts))
+                put(name.format("tpot2"), tpot(ts[1:]))
                 put(name.format("ttft"), ts[0] - r[f"{key}_sent"])
                 put(name.format("gap"), ts[1] - ts[0])
                 for proc, cpu_s in r.get(f"{key}_cpu_by_process", {}).items():
