@@ -27,7 +27,8 @@ import asyncio
 import contextlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from kvpush.services.common.logs import get_logger
 from kvpush.v1 import kvpush_pb2 as pb
@@ -162,5 +163,64 @@ class CompletionTokenInbox:
         return True
 
 
+@dataclass(frozen=True)
+class AwaitedToken:
+    """A hand-off request whose first token the current step samples."""
+
+    transfer_id: str
+    # Its push, held until the token is sampled (``push_at_sampling``); None: not held here.
+    push: str | None = None
+    # Set once the writer has handled that push; the engine thread waits for it up to ``wait_s``
+    # before it processes the step's output (``push_first_wait_ms``), so the WRITE goes first.
+    handled: threading.Event | None = None
+    wait_s: float = 0.0
+
+
+class AwaitedFirstTokens:
+    """Prefill worker: the hand-off requests whose first token this process's sampler produces in
+    the current step (their last prompt chunk is in its forward), so the token is posted to the
+    board the moment it is sampled (``KvPushWorker.sample_tokens``), not when the engine thread
+    has processed the step's output and ended the request, which on a busy prefill core comes
+    after the push's WRITE (docs/first_token.md). Engine thread only (the uni executor's worker
+    runs there; under ``mp`` each worker process has its own board and agent)."""
+
+    def __init__(self, board: SampledFirstTokens) -> None:
+        self._board = board
+        self._awaited: dict[str, AwaitedToken] = {}  # request id -> its transfer
+        self._trace = False
+
+    def await_token(self, request_id: str, awaited: AwaitedToken, trace: bool = False) -> None:
+        self._board.expect(awaited.transfer_id)
+        self._awaited[request_id] = awaited
+        self._trace = trace
+
+    def sampled(self, output: object) -> list[AwaitedToken]:
+        """Posts the awaited tokens from a step's ``ModelRunnerOutput``; anything else (an async
+        output) leaves them to the request's end, where the scheduler half posts or forgets.
+        Returns what was awaited (held pushes start now, with or without the token)."""
+        if not self._awaited:
+            return []
+        # Each was awaited for this step's forward only: one missing from its output (nothing
+        # sampled for it) is left to the request's end.
+        awaited, self._awaited = self._awaited, {}
+        index = getattr(output, "req_id_to_index", None)
+        sampled = getattr(output, "sampled_token_ids", None)
+        if index is None or sampled is None:
+            return list(awaited.values())
+        for rid, a in awaited.items():
+            i = index.get(rid)
+            tokens: Sequence[int] = sampled[i] if i is not None and i < len(sampled) else []
+            if not len(tokens):
+                continue
+            self._board.post(a.transfer_id, int(tokens[0]))
+            if self._trace:
+                log.info("first_token_sampled", transfer_id=a.transfer_id, request_id=rid)
+        return list(awaited.values())
+
+    def __len__(self) -> int:
+        return len(self._awaited)
+
+
 SAMPLED_FIRST_TOKENS = SampledFirstTokens()
 COMPLETION_TOKENS = CompletionTokenInbox()
+AWAITED_FIRST_TOKENS = AwaitedFirstTokens(SAMPLED_FIRST_TOKENS)

@@ -116,6 +116,15 @@ class ConnectorConfig:
     # ... and how long a completion whose WRITE finished before the engine posted that token waits
     # for it (the token comes at the step's end; a completion that gives up goes without it).
     first_token_completion_wait_ms: float = 5.0
+    # ... posted for them by the worker the moment it is sampled (needs --worker-cls
+    # kvpush.connector.vllm_worker.KvPushWorker on prefill too); false: when the request ends.
+    first_token_at_sampling: bool = True
+    # ... and the push of such a transfer waits for that token (its step's sampling, right after
+    # the forward) instead of competing with the engine thread for the core until then.
+    push_at_sampling: bool = True
+    # ... and the engine thread waits up to this long after sampling for the writer to have posted
+    # that push before it processes the step's output (0: no wait; the two then share the core).
+    push_first_wait_ms: float = 2.0
     # Both roles: an OK completion also goes ahead of its RPC as a MACed NIXL notification, from
     # the prefill writer thread at the WRITE's end and (with the first token) from the engine
     # thread that sampled it, so neither waits for the agent's loop on a busy prefill core

@@ -31,6 +31,9 @@ class FinishedPrefill:
     # First-token hand-off: the client's first token is this step's output, so the push waits for
     # the step's output to be out (the next step's start) instead of competing with it for the core.
     after_output: bool = False
+    # First-token hand-off whose token the push's completions carry: the worker posts it the
+    # moment it is sampled (connector/completion_tokens.py, AwaitedFirstTokens).
+    first_token: bool = False
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,7 @@ class PrefillScheduler:
                     request.num_prompt_tokens,
                     leg.decode_engine_id,
                     after_output=leg.first_token and self.cfg.push_after_output,
+                    first_token=leg.first_token and self.cfg.first_token_on_completion,
                 )
             )
             self._flagged.add(rid)
@@ -160,10 +161,15 @@ class PrefillScheduler:
         relays it to the decode engine and to the frontend."""
         out = list(getattr(request, "output_token_ids", ()) or ())
         if self.cfg.first_token_on_completion:
-            if out:
-                SAMPLED_FIRST_TOKENS.post(leg.transfer_id, int(out[0]))  # for the push's completions
-            else:
+            if not out:
                 SAMPLED_FIRST_TOKENS.forget(leg.transfer_id)
+            else:
+                # For the push's completions, unless the worker posted it when it was sampled.
+                posted = SAMPLED_FIRST_TOKENS.get(leg.transfer_id)
+                if posted != int(out[0]):
+                    if posted is not None:  # never expected: the worker read another token
+                        log.error("first_token_mismatch", transfer_id=leg.transfer_id, sampled=posted, output=out[0])
+                    SAMPLED_FIRST_TOKENS.post(leg.transfer_id, int(out[0]))
         if not out or self.registration is None:
             log.warning("first_token_not_sent", transfer_id=leg.transfer_id, request_id=request.request_id)
             return

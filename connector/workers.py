@@ -15,7 +15,12 @@ import time
 from typing import Any
 
 from kvpush.connector import sampler_state
-from kvpush.connector.completion_tokens import COMPLETION_TOKENS, SAMPLED_FIRST_TOKENS
+from kvpush.connector.completion_tokens import (
+    AWAITED_FIRST_TOKENS,
+    COMPLETION_TOKENS,
+    SAMPLED_FIRST_TOKENS,
+    AwaitedToken,
+)
 from kvpush.connector.compute_fence import Fence, FenceFactory, FenceGate, NoFence, fence_factory
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.engine_wake import ENGINE_WAKE
@@ -265,14 +270,19 @@ class PrefillWorker:
         held, self._after_output = self._after_output, []
         HANDOFF_HOLDS.release(held)
 
-    def _submit(self, fence: Fence, fp: FinishedPrefill) -> None:
+    def _submit(self, fence: Fence, fp: FinishedPrefill, handled: threading.Event | None = None) -> None:
         agent = self.agent
         if agent is None:
             return
 
         def done() -> None:
             agent.prefill_done(
-                fp.transfer_id, fp.request_id, fp.block_ids, fp.num_tokens, decode_engine_id=fp.decode_engine_id
+                fp.transfer_id,
+                fp.request_id,
+                fp.block_ids,
+                fp.num_tokens,
+                decode_engine_id=fp.decode_engine_id,
+                handled=handled,
             )
 
         def failed() -> None:
@@ -291,11 +301,21 @@ class PrefillWorker:
             return
         agent = self.agent
         fence = self._fence()
+        at_sampling = self.cfg.first_token_at_sampling and sampler_state.bound()
         for fp in meta.finished_prefills:
             with self._lock:
                 self._active.add(fp.request_id)
-            if fp.after_output:
-                HANDOFF_HOLDS.hold(fp.transfer_id, functools.partial(self._submit, fence, fp))
+            held = fp.after_output or (fp.first_token and at_sampling and self.cfg.push_at_sampling)
+            handled: threading.Event | None = None
+            if fp.first_token and at_sampling:
+                # Before the push is handed on: its completions then wait for this token.
+                push = fp.transfer_id if held and not fp.after_output else None
+                wait_s = self.cfg.push_first_wait_ms * 1e-3 if push is not None else 0.0
+                handled = threading.Event() if wait_s > 0 else None
+                awaited = AwaitedToken(fp.transfer_id, push, handled, wait_s)
+                AWAITED_FIRST_TOKENS.await_token(fp.request_id, awaited, self.cfg.trace_steps)
+            if held:
+                HANDOFF_HOLDS.hold(fp.transfer_id, functools.partial(self._submit, fence, fp, handled))
                 self._after_output.append(fp.transfer_id)
             else:
                 self._submit(fence, fp)

@@ -7,8 +7,10 @@ tests/fault_site/sitecustomize.py):
   push held for the step's output, where the token is in before the WRITE ends;
 - the completion notices alone (``relay_and_completion_rpcs_lost``: every Complete RPC is lost
   too): the NIXL notifications release the KV and bring the token (services/common/
-  completion_notice.py); with the push at the forward's end (the default), where the writer's notice
-  goes before the token and the engine thread sends the token after it."""
+  completion_notice.py); with the push started when prefill's worker samples the token (the
+  default), where the writer's notice carries it, and with the push at the forward's end and no
+  sampler tap, where the writer's notice goes before the token and the engine thread sends the
+  token after it."""
 
 from __future__ import annotations
 
@@ -29,11 +31,15 @@ FAULT_SITE = Path(__file__).resolve().parent / "fault_site"
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module", params=["rpc", "notices"], ids=["rpc-push-after-output", "notices-push-at-forward-end"])
+@pytest.fixture(
+    scope="module",
+    params=["rpc", "notices", "notices-at-sampling"],
+    ids=["rpc-push-after-output", "notices-push-at-forward-end", "notices-push-at-sampling"],
+)
 def cluster(
     request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[PDCluster]:
-    notices = request.param == "notices"
+    notices = request.param != "rpc"
     env = {
         "PYTHONPATH": os.pathsep.join([str(FAULT_SITE), str(REPO), os.environ.get("PYTHONPATH", "")]),
         "KVPUSH_TEST_FAULT": "relay_and_completion_rpcs_lost" if notices else "relay_lost",
@@ -49,6 +55,8 @@ def cluster(
         "first_token_wait_s": 10,
         "first_token_completion_wait_ms": 1000,
     }
+    if request.param == "notices":  # the token posted when the request ends, as without the tap
+        extra["first_token_at_sampling"] = "false"
     with pd_cluster(tiny_model_dir, tmp_path_factory.mktemp("carried-logs"), env=env, extra=extra) as c:
         yield c
 

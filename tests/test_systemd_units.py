@@ -113,6 +113,8 @@ def test_vllm_units_kv_transfer_config(unit: str, env: str, role: str) -> None:
         == f"{values['KVPUSH_ADVERTISE_HOST']}:{int(values['KVPUSH_AGENT_BASE_PORT']) + 1}"
     )
     assert line.startswith("/opt/kvpush/.venv/bin/python -m vllm.entrypoints.openai.api_server ")
+    # Both roles tap vLLM's sampler for the first-token hand-off (connector/vllm_worker.py).
+    assert "--worker-cls kvpush.connector.vllm_worker.KvPushWorker " in line
 
 
 def test_wait_http(tmp_path: Path) -> None:

@@ -78,3 +78,13 @@ def test_an_explicit_backend_flag_decides(args: list[str], executor: str, monkey
         == 1
     )
     assert ("VLLM_ENABLE_V1_MULTIPROCESSING" in srv.environment()) == (executor == "uni")
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer"])
+def test_kvpush_engines_of_both_roles_get_the_connectors_worker_class(role: str) -> None:
+    kv = {"kv_connector": "KvPushConnector", "kv_connector_module_path": "kvpush.connector.push_connector"}
+    cmd = _server(kv_transfer_config={**kv, "kv_role": role}).command()
+    assert cmd[cmd.index("--worker-cls") + 1] == "kvpush.connector.vllm_worker.KvPushWorker"
+    mine = _server(kv_transfer_config={**kv, "kv_role": role}, extra_args=["--worker-cls", "my.Worker"]).command()
+    assert mine.count("--worker-cls") == 1 and mine[mine.index("--worker-cls") + 1] == "my.Worker"
+    assert "--worker-cls" not in _server().command()  # a plain vLLM keeps vLLM's own

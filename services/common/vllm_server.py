@@ -167,10 +167,10 @@ class VllmServer:
             args += ["--kv-transfer-config", json.dumps(self.kv_transfer_config, separators=(",", ":"))]
             if (
                 self.kv_transfer_config.get("kv_connector_module_path") == "kvpush.connector.push_connector"
-                and self.kv_transfer_config.get("kv_role") == "kv_consumer"
                 and "--worker-cls" not in self.extra_args
             ):
-                # A kvpush decode engine offers the first-token hand-off (docs/first_token.md).
+                # Decode offers the first-token hand-off with it; prefill posts that token for the
+                # push's completions as it is sampled (connector/vllm_worker.py, docs/first_token.md).
                 args += ["--worker-cls", "kvpush.connector.vllm_worker.KvPushWorker"]
         if self.executor == "uni" and _flag_value(self.extra_args, "--distributed-executor-backend") is None:
             args += ["--distributed-executor-backend", "uni"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import itertools
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
@@ -266,9 +267,11 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
         num_tokens: int,
         *,
         decode_engine_id: str,
+        handled: threading.Event | None = None,
     ) -> None:
         """The KV of ``request_id`` is computed; only a reservation from ``decode_engine_id`` (the
-        engine its prefill leg names) can ever be matched with it."""
+        engine its prefill leg names) can ever be matched with it. ``handled``: set once the
+        writer has handled it (its WRITEs posted)."""
         self.writer.prefill_done(
             PrefillDone(
                 transfer_id,
@@ -276,7 +279,8 @@ class PrefillAgent(pb_grpc.PrefillAgentServicer):
                 tuple(tuple(int(b) for b in g) for g in block_ids),
                 num_tokens,
                 decode_engine_id,
-            )
+            ),
+            handled,
         )
 
     def prefill_aborted(self, transfer_id: str, *, decode_engine_id: str) -> None:

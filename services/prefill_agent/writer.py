@@ -101,6 +101,9 @@ class _Reserve:
 @dataclass(frozen=True)
 class _Done:
     done: PrefillDone
+    # Set once the writer has handled it: its WRITEs posted (or it waits for its reservation, or
+    # is held for a lease), so a caller may give the writer the core until then.
+    handled: threading.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -208,9 +211,10 @@ class PushWriter:
     def reserve(self, reservation: Reservation) -> None:
         self._inbox.put(_Reserve(reservation))
 
-    def prefill_done(self, done: PrefillDone) -> None:
-        """Called from the engine loop when the transfer's KV is computed; never blocks."""
-        self._inbox.put(_Done(done))
+    def prefill_done(self, done: PrefillDone, handled: threading.Event | None = None) -> None:
+        """Called from the engine loop when the transfer's KV is computed; never blocks.
+        ``handled`` is set once the writer has handled it."""
+        self._inbox.put(_Done(done, handled))
 
     def prefill_aborted(self, decode_engine: str, transfer_id: str) -> None:
         """The prefill request ended without computing its KV (abort, error)."""
@@ -291,7 +295,11 @@ class PushWriter:
                 return
             self._execute(self.table.on_reservation(res, now))
         elif isinstance(event, _Done):
-            self._execute(self.table.on_prefill_done(event.done, now))
+            try:
+                self._execute(self.table.on_prefill_done(event.done, now))
+            finally:
+                if event.handled is not None:
+                    event.handled.set()
         elif isinstance(event, _Aborted):
             self._execute(self.table.on_prefill_aborted(event.decode_engine, event.transfer_id, now))
         elif isinstance(event, _Cancel):
