@@ -101,8 +101,9 @@ class _Reserve:
 @dataclass(frozen=True)
 class _Done:
     done: PrefillDone
-    # Set once the writer has handled it: its WRITEs posted (or it waits for its reservation, or
-    # is held for a lease), so a caller may give the writer the core until then.
+    # Set once the writer has handled it: its WRITEs posted and, if they finished at once, their
+    # notices sent (or it waits for its reservation, or is held for a lease), so a caller may give
+    # the writer the core until then.
     handled: threading.Event | None = None
 
 
@@ -184,6 +185,8 @@ class PushWriter:
         self.notices = notices
         self._sessions: dict[str, PeerSession] = {}
         self._in_flight: list[_Write] = []
+        # The ``handled`` of the _Done being handled: set as soon as its notices are out.
+        self._handling: threading.Event | None = None
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"kvpush-writer-{rank}", daemon=True)
 
@@ -295,9 +298,11 @@ class PushWriter:
                 return
             self._execute(self.table.on_reservation(res, now))
         elif isinstance(event, _Done):
+            self._handling = event.handled
             try:
                 self._execute(self.table.on_prefill_done(event.done, now))
             finally:
+                self._handling = None
                 if event.handled is not None:
                     event.handled.set()
         elif isinstance(event, _Aborted):
@@ -595,6 +600,8 @@ class PushWriter:
                     if rank_ok and d in session.nixl_names
                 ],
             )
+        if self._handling is not None:
+            self._handling.set()  # posted and noticed: the engine thread may go on (the rest is bookkeeping)
         for decode_rank, (rank_ok, reason, plan) in sorted(results.items()):
             self.deliver(
                 CompletionReport(
