@@ -6,19 +6,22 @@ end (``push_after_output=false``) the KV lands before that relay does, and decod
 token. So each ``Completion`` of a hand-off transfer also carries the token when the prefill
 engine has sampled it by the time the completion leaves, and decode takes it there:
 
-- prefill: the scheduler half posts the token it sampled (``SampledFirstTokens.post``, the engine
-  thread, at ``request_finished``); the rank's agent puts it in each completion it sends, waiting
-  for it (``first_token_completion_wait_ms``) when the WRITE finished before the token was posted;
-  the completion notices carry it too, the one the engine thread sends from the board's listener
+- prefill: the worker posts the token the moment it samples it (``AwaitedFirstTokens``, from
+  ``KvPushWorker.sample_tokens``; ``SampledFirstTokens.post``), and the transfer's push starts
+  then (``push_at_sampling``); without that worker class the scheduler half posts it at
+  ``request_finished``. The rank's agent puts it in each completion it sends, waiting for it
+  (``first_token_completion_wait_ms``) when the WRITE finished before the token was posted; the
+  completion notices carry it too, the one the posting thread sends from the board's listener
   right after the post included (services/prefill_agent/notices.py);
 - decode: the rank hands the token of an OK completion its barrier accepted to the scheduler half
   (``CompletionTokenInbox.offer``), before the release it may cause, so both are seen by the same
   engine step.
 
-Both ends are process-wide and reach only within one process: vLLM's ``uni`` executor, where the
-scheduler half and the worker share the engine-core process. Under ``mp`` the worker's board stays
-empty and its inbox has no taker; completions then go without the token, and the relay (which runs
-either way) delivers it, as before.
+Both ends are process-wide and reach only within one process. The worker's post reaches its rank's
+agent under either executor (both live in the worker's process); the scheduler half's post only
+under ``uni``, where the scheduler half and the worker share the engine-core process. On decode
+the inbox has a taker only under ``uni``; under ``mp`` the relay (which runs either way) delivers
+the token, as before.
 """
 
 from __future__ import annotations
@@ -42,10 +45,11 @@ class SampledFirstTokens:
     """Prefill: transfer id -> the first token this process's engine sampled for it.
 
     The scheduler half ``expect``s a hand-off transfer's token when the step that computes its
-    last prompt chunk is built (before its push can start) and ``post``s it when the request ends
-    (``forget``s it when the request ends without one). A completion whose WRITE finished before
-    the post (the push starts at the forward's end; the token is sampled and its request ended on
-    the engine thread meanwhile) ``wait``s for it, bounded. Tokens are kept for the newest
+    last prompt chunk is built (before its push can start), and so does the worker for that step's
+    forward; the worker ``post``s it when it is sampled, the scheduler half when the request ends
+    if it is not in yet (``forget``s it when the request ends without one). A completion whose
+    WRITE finished before the post (a push started before the token was sampled) ``wait``s for it,
+    bounded. Tokens are kept for the newest
     ``capacity`` transfers, not dropped when the transfer's blocks are freed: the agent's loop may
     send a completion only after that (a starved loop thread on a busy core), and a completion
     sent later than ``capacity`` transfers goes without its token, nothing worse."""

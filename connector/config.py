@@ -111,7 +111,7 @@ class ConnectorConfig:
     first_token_direct: bool = True
     # Prefill: an OK completion of a hand-off transfer carries the first token when this engine has
     # sampled it by then, so decode need not wait for the scheduler's relay of it
-    # (connector/completion_tokens.py; same-process only: vLLM's uni executor).
+    # (connector/completion_tokens.py; decode takes it under vLLM's uni executor only).
     first_token_on_completion: bool = True
     # ... and how long a completion whose WRITE finished before the engine posted that token waits
     # for it (the token comes at the step's end; a completion that gives up goes without it).

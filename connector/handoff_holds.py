@@ -1,4 +1,9 @@
-"""Hand-off pushes held until their first token has left the prefill engine's process.
+"""Hand-off pushes held until their first token is sampled or has left the prefill engine's process.
+
+With ``push_at_sampling`` (the default, with prefill's ``KvPushWorker``) a first-token hand-off's
+push is held from the forward's end until the worker has sampled its token
+(``connector/vllm_worker.py``), then released there, so its completions carry the token; the next
+step's start releases it at the latest.
 
 With ``push_after_output`` (off by default since docs/bench_phases.md runs 73-80: the push at the
 forward's end shortens the gap before the second token by more than the TTFT it costs), a
