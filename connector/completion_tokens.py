@@ -172,10 +172,11 @@ class AwaitedToken:
     """A hand-off request whose first token the current step samples."""
 
     transfer_id: str
-    # Its push, held until the token is sampled (``push_at_sampling``); None: not held here.
-    push: str | None = None
+    # Its push is held until the token is sampled (``push_at_sampling``), then released.
+    holds_push: bool = False
     # Set once the writer has handled that push; the engine thread waits for it up to ``wait_s``
     # before it processes the step's output (``push_first_wait_ms``), so the WRITE goes first.
+    # None: no wait.
     handled: threading.Event | None = None
     wait_s: float = 0.0
 

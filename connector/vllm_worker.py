@@ -47,10 +47,9 @@ def after_sampling(output: Any) -> None:
     awaited = AWAITED_FIRST_TOKENS.sampled(output)
     if not awaited:
         return
-    HANDOFF_HOLDS.release([a.push for a in awaited if a.push is not None])
-    waits = [a for a in awaited if a.handled is not None and a.wait_s > 0]
+    HANDOFF_HOLDS.release([a.transfer_id for a in awaited if a.holds_push])
+    waits = [(a.handled, a.wait_s) for a in awaited if a.handled is not None]
     if waits:
-        deadline = time.monotonic() + max(a.wait_s for a in waits)
-        for a in waits:
-            assert a.handled is not None
-            a.handled.wait(max(0.0, deadline - time.monotonic()))
+        deadline = time.monotonic() + max(wait_s for _, wait_s in waits)
+        for handled, _ in waits:
+            handled.wait(max(0.0, deadline - time.monotonic()))

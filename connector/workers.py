@@ -305,16 +305,15 @@ class PrefillWorker:
         for fp in meta.finished_prefills:
             with self._lock:
                 self._active.add(fp.request_id)
-            held = fp.after_output or (fp.first_token and at_sampling and self.cfg.push_at_sampling)
-            handled: threading.Event | None = None
-            if fp.first_token and at_sampling:
+            sampling = fp.first_token and at_sampling
+            until_sampled = sampling and self.cfg.push_at_sampling and not fp.after_output
+            wait_s = self.cfg.push_first_wait_ms * 1e-3 if until_sampled else 0.0
+            handled = threading.Event() if wait_s > 0 else None
+            if sampling:
                 # Before the push is handed on: its completions then wait for this token.
-                push = fp.transfer_id if held and not fp.after_output else None
-                wait_s = self.cfg.push_first_wait_ms * 1e-3 if push is not None else 0.0
-                handled = threading.Event() if wait_s > 0 else None
-                awaited = AwaitedToken(fp.transfer_id, push, handled, wait_s)
+                awaited = AwaitedToken(fp.transfer_id, until_sampled, handled, wait_s)
                 AWAITED_FIRST_TOKENS.await_token(fp.request_id, awaited, self.cfg.trace_steps)
-            if held:
+            if fp.after_output or until_sampled:
                 HANDOFF_HOLDS.hold(fp.transfer_id, functools.partial(self._submit, fence, fp, handled))
                 self._after_output.append(fp.transfer_id)
             else:

@@ -49,8 +49,8 @@ def test_an_awaited_token_is_posted_when_its_step_samples_it() -> None:
 def test_a_token_the_step_did_not_sample_is_left_to_the_requests_end(output: Any) -> None:
     board = SampledFirstTokens()
     awaited = AwaitedFirstTokens(board)
-    awaited.await_token("r1", AwaitedToken("t1", push="t1"))
-    assert awaited.sampled(output) == [AwaitedToken("t1", push="t1")]  # its held push starts anyway
+    awaited.await_token("r1", AwaitedToken("t1", holds_push=True))
+    assert awaited.sampled(output) == [AwaitedToken("t1", holds_push=True)]  # its held push starts anyway
     assert board.pending("t1") and len(awaited) == 0  # still expected; nothing kept here
 
 
