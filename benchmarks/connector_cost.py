@@ -96,15 +96,6 @@ def request_stats(
     return {"engine_cpu_ms": engine / 1e6, "others_cpu_ms": others / 1e6, "others_wakeups": float(wakeups)}
 
 
-def _bootstrap(x: np.ndarray, stat: Any, rng: np.random.Generator, n: int = 4000) -> list[float]:
-    samples = [stat(rng.choice(x, len(x))) for _ in range(n)]
-    return [float(np.percentile(samples, 5)), float(np.percentile(samples, 95))]
-
-
-def _geomean(x: np.ndarray) -> float:
-    return float(np.exp(np.mean(np.log(x))))
-
-
 def analyse(rows: dict[str, list[dict[str, float]]], seed: int = 0) -> dict[str, Any]:
     """Medians per mode, and each mode paired with the first per prompt: the median and geometric
     mean of the ratios, each with a 90 % bootstrap interval."""
@@ -122,9 +113,9 @@ def analyse(rows: dict[str, list[dict[str, float]]], seed: int = 0) -> dict[str,
                 continue
             ratios[k] = {
                 "median": float(np.median(x)),
-                "median_ci90": _bootstrap(x, np.median, rng),
-                "geomean": _geomean(x),
-                "geomean_ci90": _bootstrap(x, _geomean, rng),
+                "median_ci90": paired.bootstrap_ci90(x, np.median, rng),
+                "geomean": paired.geomean(x),
+                "geomean_ci90": paired.bootstrap_ci90(x, paired.geomean, rng),
                 "n": len(x),
             }
         out["paired"][mode] = ratios

@@ -14,7 +14,14 @@ while after each step, which would slow whichever engine runs next on the shared
 request: its TPOT, and each engine thread's CPU and wake-ups (voluntary context switches, by
 thread name: the connector names its own threads, services/common/thread_names.py).
 
-Ratios are per prompt (the same prompt on each engine, seconds apart), their median per launch.
+Every P/D request and ``Generate`` call comes after the same pause, and the round's first of each
+is measured too: the P/D request's decode leg (its first token is decode's own) and the
+``Generate`` call's tokens as its caller reads them (its first token is prefill's, so "from the
+second token" leaves the hand-off's gap out), each against the round's plain requests for the
+same prompt: on the plain vLLM and the do-nothing connector (``both``) and on the decode engine.
+
+Ratios are per prompt (the same prompt on each engine, seconds apart), their median per launch;
+``python -m benchmarks.launches`` pools several launches' medians.
 Two launches of one engine differ by more than most of what this measures (docs/bench_phases.md),
 so compare settings over several launches, alternating. Without the connector's step trace
 (``trace_steps``): its per-step line was what cost the traced decode engine 7-11 %.
@@ -84,6 +91,14 @@ def _since(now: Mapping[str, float], before: Mapping[str, float]) -> dict[str, f
     return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0) > 0}
 
 
+def _speed(times: list[float], n: int) -> dict[str, float]:
+    """One streamed request's TPOT, per request and from its second token (NaN when it did not
+    bring its ``n`` tokens)."""
+    if len(times) != n:
+        return {"tpot": math.nan, "tpot2": math.nan}
+    return {"tpot": paired.tpot(times), "tpot2": paired.tpot(times[1:])}
+
+
 async def measure(
     pair: Any, engines: dict[str, Any], args: argparse.Namespace, prompts: list[list[int]]
 ) -> list[dict[str, Any]]:
@@ -102,10 +117,11 @@ async def measure(
             def plain_decode(prompt: list[int]) -> asyncio.Task[list[float]]:
                 return asyncio.create_task(c.token_times(pair.decode.base_url, prompt, n, None, uuid.uuid4().hex))
 
-            async def pd_request(prompt: list[int], kind: str = "") -> None:
-                """``Assign`` and both legs. ``waiting``: a plain request decodes on the decode
-                engine while the transfer waits for its prefill leg; ``busy``: one runs while
-                the KV lands (the two bench-phases sends besides the plain P/D request)."""
+            async def pd_request(prompt: list[int], kind: str = "") -> list[float]:
+                """``Assign`` and both legs; the decode leg's token times. ``waiting``: a plain
+                request decodes on the decode engine while the transfer waits for its prefill leg;
+                ``busy``: one runs while the KV lands (the two bench-phases sends besides the plain
+                P/D request)."""
                 plain = plain_decode(prompt) if kind == "busy" else None
                 a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=30)
                 params = MessageToDict(a.decode_kv_transfer_params)
@@ -115,25 +131,29 @@ async def measure(
                 await c.once(
                     pair.prefill.base_url, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), uuid.uuid4().hex
                 )
-                await d_leg
+                times = await d_leg
                 if plain is not None:
                     await plain
                 await serving_proxies.release_assignment(stub, a, pb.OUTCOME_OK)
+                return times
 
-            async def generate(prompt: list[int]) -> None:
+            async def generate(prompt: list[int]) -> list[float]:
+                """The time each token reached this caller (a message's tokens share its time)."""
                 req = pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=n, temperature=0.0, ignore_eos=True)
-                async for _ in stub.Generate(req, timeout=120):
-                    pass
+                times: list[float] = []
+                async for msg in stub.Generate(req, timeout=120):
+                    times.extend([time.monotonic()] * len(msg.token_ids))
+                return times
 
             for i, prompt in enumerate(prompts):
-                for _ in range(args.pd):
-                    await pd_request(prompt)
-                for _ in range(args.generate):
-                    await generate(prompt)
-                for kind in ("waiting", "busy"):
-                    for _ in range(getattr(args, f"pd_{kind}")):
-                        await pd_request(prompt, kind)
                 row: dict[str, Any] = {"warmup": i < args.warmup}
+                traffic = [("pd", "")] * args.pd + [("generate", "")] * args.generate
+                traffic += [("pd", "waiting")] * args.pd_waiting + [("pd", "busy")] * args.pd_busy
+                for what, kind in traffic:
+                    await asyncio.sleep(args.quiet_s)
+                    ts = await (generate(prompt) if what == "generate" else pd_request(prompt, kind))
+                    if not kind and what not in row:  # the round's first of each, measured
+                        row[what] = _speed(ts, n)
                 k = i % len(ENGINES)
                 for name in ENGINES[k:] + ENGINES[:k]:  # none always first after the pause
                     await asyncio.sleep(args.quiet_s)
@@ -141,7 +161,7 @@ async def measure(
                     cpu0, wakes0 = tree_cpu_by_thread_s(pid), tree_wakes_by_thread(pid)
                     ts = await c.token_times(engines[name].base_url, prompt, n, None, uuid.uuid4().hex)
                     row[name] = {
-                        "tpot": paired.tpot(ts),
+                        **_speed(ts, n),
                         "cpu_by_thread": _since(tree_cpu_by_thread_s(pid), cpu0),
                         "wakes_by_thread": _since(tree_wakes_by_thread(pid), wakes0),
                     }
@@ -160,9 +180,11 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
     def per_prompt(num: str, den: tuple[str, ...], key: str) -> list[float]:
         def value(r: dict[str, Any], e: str) -> float:
-            return float(r[e]["tpot"] if key == "tpot" else r[e]["cpu_by_thread"].get(_ENGINE_THREAD, math.nan))
+            if key == "engine_cpu":
+                return float(r[e]["cpu_by_thread"].get(_ENGINE_THREAD, math.nan))
+            return float(r[e][key])
 
-        return [value(r, num) / math.exp(np.mean([math.log(value(r, d)) for d in den])) for r in rows]
+        return [value(r, num) / paired.geomean([value(r, d) for d in den]) for r in rows if num in r]
 
     ratios: dict[str, float] = {}
     for key in ("tpot", "engine_cpu"):
@@ -173,6 +195,13 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
             ("decode/both", "decode", ("plain", "null")),
         ):
             ratios[f"{key} {label}"] = float(np.nanmedian(per_prompt(num, den, key)))
+    # The measured P/D request and Generate call of each round, against its plain requests.
+    for what in ("pd", "generate"):
+        for key in ("tpot", "tpot2"):
+            for label, den in (("both", ("plain", "null")), ("decode", ("decode",))):
+                x = per_prompt(what, den, key)
+                if x and not np.all(np.isnan(x)):
+                    ratios[f"{key} {what}/{label}"] = float(np.nanmedian(x))
     engines: dict[str, dict[str, Any]] = {}
     for e in ENGINES:
         threads = sorted(
@@ -187,6 +216,12 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 t: float(np.median([r[e]["wakes_by_thread"].get(t, 0) for r in rows])) for t in threads
             },
         }
+    for what in ("pd", "generate"):
+        if any(what in r for r in rows):
+            engines[what] = {
+                f"{key}_ms": float(np.nanmedian([r[what][key] for r in rows if what in r])) * 1e3
+                for key in ("tpot", "tpot2")
+            }
     return {"n": len(rows), "ratios": ratios, "engines": engines}
 
 
@@ -210,6 +245,7 @@ def markdown(res: dict[str, Any], floor_ms: float = 0.05) -> str:
         + ", ".join(f"{x} {e[x]['tpot_ms']:.2f}" for x in ENGINES)
         + ".",
         "",
+        *_pd_lines(r, e),
         "| per plain request by thread, p50 | " + " | ".join(f"{x} CPU ms | {x} wakes" for x in ENGINES) + " |",
         "|---|" + "---:|" * (2 * len(ENGINES)),
     ]
@@ -225,6 +261,26 @@ def markdown(res: dict[str, Any], floor_ms: float = 0.05) -> str:
         table.append((max(cpu), f"| {t} | {cells} |"))
     lines += [row for _, row in sorted(table, key=lambda x: -x[0])]
     return "\n".join(lines) + "\n"
+
+
+def _pd_lines(r: dict[str, float], e: dict[str, Any]) -> list[str]:
+    """The measured P/D request's and ``Generate`` call's rows (none when the rounds had neither)."""
+    rows = []
+    for what, label in (("pd", "P/D request (`Assign` path), decode leg"), ("generate", "`Generate`, at its caller")):
+        if what not in e:
+            continue
+        for key, which in (("tpot", "per request"), ("tpot2", "from the 2nd token")):
+            rows.append(
+                f"| {label}, {which} | {e[what][f'{key}_ms']:.2f} | {r.get(f'{key} {what}/both', math.nan):.3f} |"
+                f" {r.get(f'{key} {what}/decode', math.nan):.3f} |"
+            )
+    if not rows:
+        return []
+    head = [
+        "| measured P/D traffic, median of per-prompt ratios | TPOT p50 ms | / both | / decode engine's plain |",
+        "|---|---:|---:|---:|",
+    ]
+    return [*head, *rows, ""]
 
 
 @contextlib.contextmanager

@@ -50,6 +50,20 @@ def tpot(token_times: Sequence[float]) -> float:
     return (token_times[-1] - token_times[0]) / (n - 1) if n > 1 else float("nan")
 
 
+def geomean(x: Sequence[float] | np.ndarray) -> float:
+    """The geometric mean: the average of ratios (a ratio and its inverse average to 1)."""
+    return float(np.exp(np.mean(np.log(np.asarray(x, dtype=float)))))
+
+
+def bootstrap_ci90(
+    x: Sequence[float] | np.ndarray, stat: Callable[[np.ndarray], float], rng: np.random.Generator, n: int = 4000
+) -> list[float]:
+    """A 90 % percentile-bootstrap interval of ``stat`` over ``x`` (resampled ``n`` times)."""
+    a = np.asarray(x, dtype=float)
+    samples = [stat(rng.choice(a, len(a))) for _ in range(n)]
+    return [float(np.percentile(samples, 5)), float(np.percentile(samples, 95))]
+
+
 def write_report(
     args: argparse.Namespace,
     res: dict[str, Any],

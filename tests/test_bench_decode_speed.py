@@ -3,6 +3,7 @@ per-thread wake-up counter it reads (benchmarks/process_cpu.py)."""
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Any
@@ -119,10 +120,59 @@ def test_wakes_by_thread_counts_a_named_threads_voluntary_switches() -> None:
     finally:
         stop.set()
         t.join(10)
-    assert _sleeper_wakes() == 0  # gone once it ended
+    # Gone once it ended. join() returns when Python is done with the thread, a moment before the
+    # OS thread (and its /proc entry) exits: bounded, for that moment only.
+    gone = threading.Event()
+    for _ in range(500):
+        if _sleeper_wakes() == 0:
+            break
+        gone.wait(0.01)
+    assert _sleeper_wakes() == 0
 
 
 def _sleeper_wakes() -> float:
     """This process's ``<process name>/kv-test-sleeper`` count (keyed as the CPU counter keys)."""
     counts = tree_wakes_by_thread(os.getpid())
     return sum(v for k, v in counts.items() if k.endswith("/kv-test-sleeper"))
+
+
+def _with_pd(row: dict[str, Any], pd: float, generate: float, generate2: float) -> dict[str, Any]:
+    for e in decode_speed.ENGINES:
+        row[e]["tpot2"] = row[e]["tpot"]
+    row["pd"] = {"tpot": pd, "tpot2": pd}
+    row["generate"] = {"tpot": generate, "tpot2": generate2}
+    return row
+
+
+def test_measured_pd_traffic_is_paired_with_the_rounds_plain_requests() -> None:
+    speeds = {"plain": 0.004, "null": 0.004, "decode": 0.005}
+    rows = [
+        _with_pd(_round(speeds, {e: 0.05 for e in decode_speed.ENGINES}), 0.0044, 0.0048, 0.0046),
+        _with_pd(_round(speeds, {e: 0.05 for e in decode_speed.ENGINES}), 0.0044, 0.0048, 0.0046),
+        # a round whose Generate did not bring its tokens: left out of that ratio, not a zero
+        _with_pd(_round(speeds, {e: 0.05 for e in decode_speed.ENGINES}), 0.0044, float("nan"), float("nan")),
+    ]
+    res = decode_speed.analyse(rows)
+    r = res["ratios"]
+    assert r["tpot pd/both"] == pytest.approx(1.1)
+    assert r["tpot pd/decode"] == pytest.approx(0.88)  # against the decode engine's own plain request
+    assert r["tpot generate/both"] == pytest.approx(1.2)
+    assert r["tpot2 generate/both"] == pytest.approx(1.15)
+    assert res["engines"]["generate"]["tpot2_ms"] == pytest.approx(4.6)
+    res.update(config={"prompt_len": 1024, "output_len": 16, "pd": 1, "generate": 1}, host="2 CPUs")
+    res.update(load_before=0.5, load_after=0.6)
+    md = decode_speed.markdown(res)
+    assert "| `Generate`, at its caller, from the 2nd token | 4.60 | 1.150 | 0.920 |" in md
+    assert "| P/D request (`Assign` path), decode leg, per request | 4.40 | 1.100 | 0.880 |" in md
+
+
+def test_rounds_without_pd_traffic_report_no_pd_ratios() -> None:
+    rows = [_round({e: 0.004 for e in decode_speed.ENGINES}, {e: 0.05 for e in decode_speed.ENGINES})]
+    res = decode_speed.analyse(rows)
+    assert not [k for k in res["ratios"] if "pd/" in k or "generate/" in k]
+    assert "pd" not in res["engines"]
+
+
+def test_speed_of_a_short_stream_is_nan() -> None:
+    assert decode_speed._speed([0.0, 0.004, 0.008], 3) == pytest.approx({"tpot": 0.004, "tpot2": 0.004})
+    assert all(math.isnan(v) for v in decode_speed._speed([0.0, 0.004], 3).values())
