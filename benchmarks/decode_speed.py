@@ -304,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with _engines(h) as (pair, engines):
         rows = asyncio.run(measure(pair, engines, args, prompts))
     res = analyse(rows)
+    res["rows"] = rows  # per prompt, for pooling or a closer look later
     paired.write_report(args, res, markdown, load_before, t_start)
     return 0
 
