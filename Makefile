@@ -6,7 +6,7 @@ export UCX_NET_DEVICES ?= lo
 export NIXL_LOG_LEVEL ?= WARN
 export VLLM_NO_USAGE_STATS ?= 1
 
-.PHONY: install system-deps lock proto proto-check typecheck check test test-mp test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff bench-phases bench-connector-cost bench-decode-speed bench-relay bench-request-start soak test-faults demo certs install-systemd clean
+.PHONY: install system-deps lock proto proto-check typecheck check test test-mp test-core lint gpu-check bench bench-transfer bench-scheduler bench-handoff bench-phases bench-connector-cost bench-decode-speed bench-pool bench-relay bench-request-start soak test-faults demo certs install-systemd clean
 
 # Idempotent: a no-op when .venv matches requirements.lock and pyproject.toml.
 install:
@@ -88,9 +88,14 @@ bench-connector-cost: install
 
 # The decode engine's own speed: plain requests on it against a plain vLLM and a vLLM holding a
 # do-nothing KV connector on the same core, with P/D traffic between them or not
-# (benchmarks/decode_speed.py; ARGS="--pd 2" or "--generate 2" adds it).
+# (benchmarks/decode_speed.py; ARGS="--pd 1 --generate 1" adds it, and measures those requests too).
 bench-decode-speed: install
 	$(PY) -m benchmarks.decode_speed $(ARGS)
+
+# Pools launches of bench-decode-speed, one JSON result each, per arm (its --serving-arg):
+# make bench-pool ARGS="bench-results/ds-*.json" (benchmarks/launches.py).
+bench-pool: install
+	$(PY) -m benchmarks.launches $(ARGS)
 
 # Generate's token relay alone (a fake engine, the real scheduler): CPU per relayed token at light
 # load and under many streams (benchmarks/relay.py).
