@@ -184,7 +184,11 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 return float(r[e]["cpu_by_thread"].get(_ENGINE_THREAD, math.nan))
             return float(r[e][key])
 
-        return [value(r, num) / paired.geomean([value(r, d) for d in den]) for r in rows if num in r]
+        return [
+            value(r, num) / paired.geomean([value(r, d) for d in den])
+            for r in rows
+            if num in r and all(d in r for d in den)
+        ]
 
     ratios: dict[str, float] = {}
     for key in ("tpot", "engine_cpu"):
@@ -195,10 +199,14 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
             ("decode/both", "decode", ("plain", "null")),
         ):
             ratios[f"{key} {label}"] = float(np.nanmedian(per_prompt(num, den, key)))
-    # The measured P/D request and Generate call of each round, against its plain requests.
-    for what in ("pd", "generate"):
+    # The measured P/D request and Generate call of each round, against its plain requests, and
+    # Generate against the P/D request (both P/D on the decode engine: the relay and the hand-off).
+    for what, dens in (
+        ("pd", (("both", ("plain", "null")), ("decode", ("decode",)))),
+        ("generate", (("both", ("plain", "null")), ("decode", ("decode",)), ("pd", ("pd",)))),
+    ):
         for key in ("tpot", "tpot2"):
-            for label, den in (("both", ("plain", "null")), ("decode", ("decode",))):
+            for label, den in dens:
                 x = per_prompt(what, den, key)
                 if x and not np.all(np.isnan(x)):
                     ratios[f"{key} {what}/{label}"] = float(np.nanmedian(x))
@@ -280,7 +288,13 @@ def _pd_lines(r: dict[str, float], e: dict[str, Any]) -> list[str]:
         "| measured P/D traffic, median of per-prompt ratios | TPOT p50 ms | / both | / decode engine's plain |",
         "|---|---:|---:|---:|",
     ]
-    return [*head, *rows, ""]
+    tail = [
+        f"`Generate` against the round's P/D request (`Assign` path), same prompt and engine: "
+        f"{r[f'{key} generate/pd']:.3f} {which}."
+        for key, which in (("tpot", "per request"), ("tpot2", "from the 2nd token"))
+        if f"{key} generate/pd" in r
+    ]
+    return [*head, *rows, "", *tail, *([""] if tail else [])]
 
 
 @contextlib.contextmanager

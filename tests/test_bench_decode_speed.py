@@ -159,11 +159,15 @@ def test_measured_pd_traffic_is_paired_with_the_rounds_plain_requests() -> None:
     assert r["tpot generate/both"] == pytest.approx(1.2)
     assert r["tpot2 generate/both"] == pytest.approx(1.15)
     assert res["engines"]["generate"]["tpot2_ms"] == pytest.approx(4.6)
+    # Generate against the same round's P/D request (the rounds where both brought their tokens)
+    assert r["tpot generate/pd"] == pytest.approx(0.0048 / 0.0044)
+    assert r["tpot2 generate/pd"] == pytest.approx(0.0046 / 0.0044)
     res.update(config={"prompt_len": 1024, "output_len": 16, "pd": 1, "generate": 1}, host="2 CPUs")
     res.update(load_before=0.5, load_after=0.6)
     md = decode_speed.markdown(res)
     assert "| `Generate`, at its caller, from the 2nd token | 4.60 | 1.150 | 0.920 |" in md
     assert "| P/D request (`Assign` path), decode leg, per request | 4.40 | 1.100 | 0.880 |" in md
+    assert "same prompt and engine: 1.045 from the 2nd token." in md
 
 
 def test_rounds_without_pd_traffic_report_no_pd_ratios() -> None:
@@ -171,6 +175,12 @@ def test_rounds_without_pd_traffic_report_no_pd_ratios() -> None:
     res = decode_speed.analyse(rows)
     assert not [k for k in res["ratios"] if "pd/" in k or "generate/" in k]
     assert "pd" not in res["engines"]
+    gen_only = _with_pd(
+        _round({e: 0.004 for e in decode_speed.ENGINES}, {e: 0.05 for e in decode_speed.ENGINES}), 0, 0.0044, 0.0044
+    )
+    del gen_only["pd"]  # --generate without --pd: no pairing with a P/D request
+    r = decode_speed.analyse([gen_only])["ratios"]
+    assert r["tpot generate/both"] == pytest.approx(1.1) and "tpot generate/pd" not in r
 
 
 def test_speed_of_a_short_stream_is_nan() -> None:
