@@ -76,6 +76,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--pd-busy", type=int, default=0, help="P/D requests per round whose KV lands while a plain request decodes"
     )
     ap.add_argument("--quiet-s", type=float, default=1.2, help="pause before each plain request")
+    ap.add_argument(
+        "--client-core",
+        type=int,
+        default=None,
+        help="pin this process (the client of every request) to this core once the engines are up "
+        "(default: not pinned, the OS places it)",
+    )
     ap.add_argument("--model-dir", type=Path, default=ROOT / "models" / "tiny-llama")
     ap.add_argument("--log-dir", type=Path, default=ROOT / "runs" / "bench-decode-speed")
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "decode_speed.json")
@@ -316,6 +323,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     load_before = os.getloadavg()[0]
     t_start = time.monotonic()
     with _engines(h) as (pair, engines):
+        if args.client_core is not None:
+            os.sched_setaffinity(0, {args.client_core})
         rows = asyncio.run(measure(pair, engines, args, prompts))
     res = analyse(rows)
     res["rows"] = rows  # per prompt, for pooling or a closer look later

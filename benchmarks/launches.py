@@ -1,8 +1,8 @@
 """Pools launches of ``make bench-decode-speed``: two launches of one engine differ by more than
 most of what one launch measures (docs/bench_phases.md), so a ratio is read over many.
 
-``python -m benchmarks.launches bench-results/decode_speed-*.json``: launches are grouped by their
-serving arguments (``--serving-arg``, the arm); per group and ratio, the launches' medians, their
+``python -m benchmarks.launches bench-results/ds-*.json``: launches are grouped by their serving
+arguments (``--serving-arg``) and client core (``--client-core``), the arm; per group and ratio, the launches' medians, their
 geometric mean with a 90 % bootstrap interval over launches, and in how many launches it was
 above 1.0. Prints markdown; ``--out`` also writes the pooled numbers as JSON.
 """
@@ -23,9 +23,12 @@ from benchmarks import paired
 
 
 def arm(res: dict[str, Any]) -> str:
-    """A launch's arm: its serving arguments, or ``defaults``."""
-    extra = res.get("config", {}).get("serving_arg") or []
-    return " ".join(str(a) for a in extra) or "defaults"
+    """A launch's arm: its serving arguments and client core, or ``defaults``."""
+    cfg = res.get("config", {})
+    extra = [str(a) for a in cfg.get("serving_arg") or []]
+    if cfg.get("client_core") is not None:
+        extra.append(f"--client-core={cfg['client_core']}")
+    return " ".join(extra) or "defaults"
 
 
 def pool(launches: Sequence[dict[str, Any]], seed: int = 0) -> dict[str, dict[str, Any]]:

@@ -93,7 +93,8 @@ def test_arguments_are_bounded() -> None:
     with pytest.raises(SystemExit):
         decode_speed.parse_args(["--pd", "-1"])
     args = decode_speed.parse_args(["--pd", "2", "--generate", "1"])
-    assert (args.pd, args.generate, args.requests) == (2, 1, 20)
+    assert (args.pd, args.generate, args.requests, args.client_core) == (2, 1, 20, None)
+    assert decode_speed.parse_args(["--client-core", "0"]).client_core == 0
 
 
 def test_wakes_by_thread_counts_a_named_threads_voluntary_switches() -> None:

@@ -35,6 +35,13 @@ def test_launches_pool_per_arm_as_a_geometric_mean() -> None:
     assert p["geomean_ci90"] == pytest.approx([1.32, 1.32])
 
 
+def test_the_client_core_is_part_of_the_arm() -> None:
+    pinned = _launch(1.0, ["--scheduler-core=0"])
+    pinned["config"]["client_core"] = 0  # type: ignore[index]
+    res = launches.pool([_launch(1.0, ["--scheduler-core=0"]), pinned])
+    assert set(res) == {"--scheduler-core=0", "--scheduler-core=0 --client-core=0"}
+
+
 def test_a_launch_without_a_ratio_or_with_nan_is_left_out_of_it() -> None:
     bare = _launch(1.0)
     bare["ratios"] = {"tpot decode/both": float("nan")}
