@@ -2,9 +2,10 @@
 most of what one launch measures (docs/bench_phases.md), so a ratio is read over many.
 
 ``python -m benchmarks.launches bench-results/ds-*.json``: launches are grouped by their serving
-arguments (``--serving-arg``) and client core (``--client-core``), the arm; per group and ratio, the launches' medians, their
-geometric mean with a 90 % bootstrap interval over launches, and in how many launches it was
-above 1.0. Prints markdown; ``--out`` also writes the pooled numbers as JSON.
+arguments (``--serving-arg``) and client core (``--client-core``), the arm; per group and ratio,
+the launches' medians, their geometric mean with a 90 % bootstrap interval over launches, and in
+how many launches it was above 1.0. Prints markdown; ``--out`` also writes the pooled numbers as
+JSON.
 """
 
 from __future__ import annotations
