@@ -98,12 +98,23 @@ def _since(now: Mapping[str, float], before: Mapping[str, float]) -> dict[str, f
     return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0) > 0}
 
 
-def _speed(times: list[float], n: int) -> dict[str, float]:
-    """One streamed request's TPOT, per request and from its second token (NaN when it did not
-    bring its ``n`` tokens)."""
+def _speed(times: list[float], n: int) -> dict[str, Any]:
+    """One streamed request's TPOT, per request and from its second token, and the gap before each
+    token after the first (ms; NaN and none when it did not bring its ``n`` tokens)."""
     if len(times) != n:
-        return {"tpot": math.nan, "tpot2": math.nan}
-    return {"tpot": paired.tpot(times), "tpot2": paired.tpot(times[1:])}
+        return {"tpot": math.nan, "tpot2": math.nan, "gaps_ms": []}
+    gaps = [round((b - a) * 1e3, 4) for a, b in zip(times, times[1:], strict=False)]
+    return {"tpot": paired.tpot(times), "tpot2": paired.tpot(times[1:]), "gaps_ms": gaps}
+
+
+def gap_profile(rows: list[dict[str, Any]], what: str) -> list[float]:
+    """The median gap (ms) before each token of ``what``'s requests over ``rows``: where in a
+    request a difference in TPOT sits (one slow gap, or every gap a little)."""
+    gaps = [r[what]["gaps_ms"] for r in rows if what in r and r[what].get("gaps_ms")]
+    if not gaps:
+        return []
+    width = min(len(g) for g in gaps)
+    return [float(np.median([g[i] for g in gaps])) for i in range(width)]
 
 
 async def measure(
@@ -237,7 +248,8 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 f"{key}_ms": float(np.nanmedian([r[what][key] for r in rows if what in r])) * 1e3
                 for key in ("tpot", "tpot2")
             }
-    return {"n": len(rows), "ratios": ratios, "engines": engines}
+    gaps = {what: gap_profile(rows, what) for what in (*ENGINES, "pd", "generate")}
+    return {"n": len(rows), "ratios": ratios, "engines": engines, "gaps_ms": {k: v for k, v in gaps.items() if v}}
 
 
 def markdown(res: dict[str, Any], floor_ms: float = 0.05) -> str:
@@ -275,7 +287,20 @@ def markdown(res: dict[str, Any], floor_ms: float = 0.05) -> str:
         )
         table.append((max(cpu), f"| {t} | {cells} |"))
     lines += [row for _, row in sorted(table, key=lambda x: -x[0])]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _gap_lines(res.get("gaps_ms", {}))) + "\n"
+
+
+def _gap_lines(gaps: dict[str, list[float]]) -> list[str]:
+    """The median gap before each token, per kind of request (none for results without gaps)."""
+    if not gaps:
+        return []
+    width = max(len(g) for g in gaps.values())
+    return [
+        "",
+        "| median gap (ms) before token | " + " | ".join(str(i + 2) for i in range(width)) + " |",
+        "|---|" + "---:|" * width,
+        *[f"| {what} | " + " | ".join(f"{x:.2f}" for x in g) + " |" for what, g in gaps.items()],
+    ]
 
 
 def _pd_lines(r: dict[str, float], e: dict[str, Any]) -> list[str]:

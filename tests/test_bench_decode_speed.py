@@ -185,5 +185,23 @@ def test_rounds_without_pd_traffic_report_no_pd_ratios() -> None:
 
 
 def test_speed_of_a_short_stream_is_nan() -> None:
-    assert decode_speed._speed([0.0, 0.004, 0.008], 3) == pytest.approx({"tpot": 0.004, "tpot2": 0.004})
-    assert all(math.isnan(v) for v in decode_speed._speed([0.0, 0.004], 3).values())
+    s = decode_speed._speed([0.0, 0.004, 0.010], 3)
+    assert (s["tpot"], s["tpot2"]) == pytest.approx((0.005, 0.006))
+    assert s["gaps_ms"] == pytest.approx([4.0, 6.0])
+    short = decode_speed._speed([0.0, 0.004], 3)
+    assert math.isnan(short["tpot"]) and math.isnan(short["tpot2"]) and short["gaps_ms"] == []
+
+
+def test_gap_profile_is_the_median_gap_at_each_token() -> None:
+    rows = [
+        {"warmup": False, "generate": {"gaps_ms": [9.0, 5.0, 5.0]}},
+        {"warmup": False, "generate": {"gaps_ms": [7.0, 5.0, 6.0]}},
+        {"warmup": False, "generate": {"gaps_ms": [8.0, 4.0, 7.0]}},
+        {"warmup": False, "generate": {"gaps_ms": []}},  # a short stream: left out
+        {"warmup": False},
+    ]
+    assert decode_speed.gap_profile(rows, "generate") == pytest.approx([8.0, 5.0, 6.0])
+    assert decode_speed.gap_profile(rows, "pd") == []
+    md = "\n".join(decode_speed._gap_lines({"generate": [8.0, 5.0, 6.0]}))
+    assert "| median gap (ms) before token | 2 | 3 | 4 |" in md
+    assert "| generate | 8.00 | 5.00 | 6.00 |" in md
