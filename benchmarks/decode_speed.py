@@ -5,8 +5,10 @@ The kvpush pair as ``make bench-phases`` starts it (P on the first core, D on th
 D's core a plain vLLM (no connector) and a reference vLLM holding a KV connector that does nothing
 (benchmarks/null_connector.py: vLLM's connector plumbing without ours). Each round first sends
 ``--pd`` P/D requests through the pair (``Assign``, both legs, ``Release``), ``--generate``
-``Generate`` calls, ``--pd-waiting`` P/D requests with a plain request decoding while each waits for
-its prefill leg and ``--pd-busy`` whose KV lands while one decodes (``--pd 1 --generate 1
+``Generate`` calls, ``--pd-handoff`` P/D requests with the first-token hand-off (``Generate``'s
+legs, its first token the prefill leg's answer, decode's tokens read straight from decode: without
+``Generate``'s relay), ``--pd-waiting`` P/D requests with a plain request decoding while each waits
+for its prefill leg and ``--pd-busy`` whose KV lands while one decodes (``--pd 1 --generate 1
 --pd-waiting 1 --pd-busy 1`` is ``make bench-phases``' P/D traffic per prompt),
 then the round's prompt as a plain streamed request to each of the three
 engines, in rotating order, each after ``--quiet-s`` of nothing (vLLM's CPU worker busy-waits for a
@@ -54,6 +56,8 @@ NULL_KV = {
     "kv_connector_module_path": "benchmarks.null_connector",
     "kv_role": "kv_consumer",
 }
+# The measured P/D traffic: Assign path, Assign path with the first-token hand-off, Generate.
+MEASURED_PD = ("pd", "pd_handoff", "generate")
 _ENGINE_THREAD = "VLLM::EngineCor/main"  # the engine core process's own thread: the engine loop
 
 
@@ -66,6 +70,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--pd", type=int, default=0, help="P/D requests (Assign path) through the pair per round")
     ap.add_argument("--generate", type=int, default=0, help="Generate calls (first-token hand-off) per round")
+    ap.add_argument(
+        "--pd-handoff",
+        type=int,
+        default=0,
+        help="P/D requests (Assign path) per round with the first-token hand-off: Generate without its relay",
+    )
     ap.add_argument(
         "--pd-waiting",
         type=int,
@@ -88,8 +98,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=ROOT / "bench-results" / "decode_speed.json")
     ap.add_argument("--serving-arg", action="append", default=[], help="passed to the serving harness, repeatable")
     args = ap.parse_args(argv)
-    if min(args.pd, args.generate, args.pd_waiting, args.pd_busy, args.warmup) < 0 or args.requests < 1:
-        ap.error("--pd, --generate, --pd-waiting, --pd-busy and --warmup must be >= 0, --requests >= 1")
+    if (
+        min(args.pd, args.generate, args.pd_handoff, args.pd_waiting, args.pd_busy, args.warmup) < 0
+        or args.requests < 1
+    ):
+        ap.error("--pd, --generate, --pd-handoff, --pd-waiting, --pd-busy and --warmup must be >= 0, --requests >= 1")
     return args
 
 
@@ -139,17 +152,26 @@ async def measure(
                 """``Assign`` and both legs; the decode leg's token times. ``waiting``: a plain
                 request decodes on the decode engine while the transfer waits for its prefill leg;
                 ``busy``: one runs while the KV lands (the two bench-phases sends besides the plain
-                P/D request)."""
+                P/D request); ``handoff``: with the first-token hand-off, the first token being the
+                prefill leg's answer (what ``Generate`` does, without relaying decode's tokens)."""
                 plain = plain_decode(prompt) if kind == "busy" else None
-                a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n), timeout=30)
+                handoff = kind == "handoff"
+                ask = pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=n, first_token_from_prefill=handoff)
+                a = await stub.Assign(ask, timeout=30)
+                if handoff and not a.first_token_from_prefill:
+                    raise RuntimeError("the first-token hand-off was not granted")
                 params = MessageToDict(a.decode_kv_transfer_params)
-                d_leg = asyncio.create_task(c.token_times(pair.decode.base_url, prompt, n, params, uuid.uuid4().hex))
+                d_n = n - 1 if handoff else n
+                d_leg = asyncio.create_task(c.token_times(pair.decode.base_url, prompt, d_n, params, uuid.uuid4().hex))
                 if kind == "waiting":
                     await plain_decode(prompt)
                 await c.once(
                     pair.prefill.base_url, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), uuid.uuid4().hex
                 )
+                answered = time.monotonic()
                 times = await d_leg
+                if handoff:
+                    times = sorted([answered, *times])
                 if plain is not None:
                     await plain
                 await serving_proxies.release_assignment(stub, a, pb.OUTCOME_OK)
@@ -166,12 +188,14 @@ async def measure(
             for i, prompt in enumerate(prompts):
                 row: dict[str, Any] = {"warmup": i < args.warmup}
                 traffic = [("pd", "")] * args.pd + [("generate", "")] * args.generate
+                traffic += [("pd", "handoff")] * args.pd_handoff
                 traffic += [("pd", "waiting")] * args.pd_waiting + [("pd", "busy")] * args.pd_busy
                 for what, kind in traffic:
                     await asyncio.sleep(args.quiet_s)
                     ts = await (generate(prompt) if what == "generate" else pd_request(prompt, kind))
-                    if not kind and what not in row:  # the round's first of each, measured
-                        row[what] = _speed(ts, n)
+                    measured = "pd_handoff" if kind == "handoff" else what if not kind else ""
+                    if measured and measured not in row:  # the round's first of each, measured
+                        row[measured] = _speed(ts, n)
                 k = i % len(ENGINES)
                 for name in ENGINES[k:] + ENGINES[:k]:  # none always first after the pause
                     await asyncio.sleep(args.quiet_s)
@@ -217,11 +241,14 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
             ("decode/both", "decode", ("plain", "null")),
         ):
             ratios[f"{key} {label}"] = float(np.nanmedian(per_prompt(num, den, key)))
-    # The measured P/D request and Generate call of each round, against its plain requests, and
-    # Generate against the P/D request (both P/D on the decode engine: the relay and the hand-off).
+    # The measured P/D requests and Generate call of each round, against its plain requests, and
+    # against each other (all P/D on the decode engine): Generate / pd is the relay and the
+    # hand-off, pd_handoff / pd the hand-off alone, Generate / pd_handoff the relay alone.
+    plain_dens = (("both", ("plain", "null")), ("decode", ("decode",)))
     for what, dens in (
-        ("pd", (("both", ("plain", "null")), ("decode", ("decode",)))),
-        ("generate", (("both", ("plain", "null")), ("decode", ("decode",)), ("pd", ("pd",)))),
+        ("pd", plain_dens),
+        ("pd_handoff", (*plain_dens, ("pd", ("pd",)))),
+        ("generate", (*plain_dens, ("pd", ("pd",)), ("pd_handoff", ("pd_handoff",)))),
     ):
         for key in ("tpot", "tpot2"):
             for label, den in dens:
@@ -242,13 +269,13 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
                 t: float(np.median([r[e]["wakes_by_thread"].get(t, 0) for r in rows])) for t in threads
             },
         }
-    for what in ("pd", "generate"):
+    for what in MEASURED_PD:
         if any(what in r for r in rows):
             engines[what] = {
                 f"{key}_ms": float(np.nanmedian([r[what][key] for r in rows if what in r])) * 1e3
                 for key in ("tpot", "tpot2")
             }
-    gaps = {what: gap_profile(rows, what) for what in (*ENGINES, "pd", "generate")}
+    gaps = {what: gap_profile(rows, what) for what in (*ENGINES, *MEASURED_PD)}
     return {"n": len(rows), "ratios": ratios, "engines": engines, "gaps_ms": {k: v for k, v in gaps.items() if v}}
 
 
@@ -306,7 +333,11 @@ def _gap_lines(gaps: dict[str, list[float]]) -> list[str]:
 def _pd_lines(r: dict[str, float], e: dict[str, Any]) -> list[str]:
     """The measured P/D request's and ``Generate`` call's rows (none when the rounds had neither)."""
     rows = []
-    for what, label in (("pd", "P/D request (`Assign` path), decode leg"), ("generate", "`Generate`, at its caller")):
+    for what, label in (
+        ("pd", "P/D request (`Assign` path), decode leg"),
+        ("pd_handoff", "P/D request (`Assign` path) with the hand-off, prefill's token then decode's"),
+        ("generate", "`Generate`, at its caller"),
+    ):
         if what not in e:
             continue
         for key, which in (("tpot", "per request"), ("tpot2", "from the 2nd token")):
@@ -321,10 +352,14 @@ def _pd_lines(r: dict[str, float], e: dict[str, Any]) -> list[str]:
         "|---|---:|---:|---:|",
     ]
     tail = [
-        f"`Generate` against the round's P/D request (`Assign` path), same prompt and engine: "
-        f"{r[f'{key} generate/pd']:.3f} {which}."
+        f"{a} against the round's {b}, same prompt and engine: {r[f'{key} {ratio}']:.3f} {which}."
+        for ratio, a, b in (
+            ("generate/pd", "`Generate`", "P/D request (`Assign` path)"),
+            ("pd_handoff/pd", "The hand-off P/D request", "P/D request (`Assign` path)"),
+            ("generate/pd_handoff", "`Generate`", "hand-off P/D request (its relay alone)"),
+        )
         for key, which in (("tpot", "per request"), ("tpot2", "from the 2nd token"))
-        if f"{key} generate/pd" in r
+        if f"{key} {ratio}" in r
     ]
     return [*head, *rows, "", *tail, *([""] if tail else [])]
 

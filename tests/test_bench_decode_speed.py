@@ -171,6 +171,26 @@ def test_measured_pd_traffic_is_paired_with_the_rounds_plain_requests() -> None:
     assert "same prompt and engine: 1.045 from the 2nd token." in md
 
 
+def test_the_handoff_request_splits_generate_into_handoff_and_relay() -> None:
+    speeds = {"plain": 0.004, "null": 0.004, "decode": 0.004}
+    rows = []
+    for _ in range(3):
+        row = _with_pd(_round(speeds, {e: 0.05 for e in decode_speed.ENGINES}), 0.0040, 0.0048, 0.0046)
+        row["pd_handoff"] = {"tpot": 0.0044, "tpot2": 0.0042}
+        rows.append(row)
+    res = decode_speed.analyse(rows)
+    r = res["ratios"]
+    assert r["tpot pd_handoff/pd"] == pytest.approx(1.1)  # the hand-off alone
+    assert r["tpot2 generate/pd_handoff"] == pytest.approx(0.0046 / 0.0042)  # the relay alone
+    assert r["tpot2 pd_handoff/both"] == pytest.approx(1.05)
+    assert res["engines"]["pd_handoff"]["tpot_ms"] == pytest.approx(4.4)
+    res.update(config={"prompt_len": 1024, "output_len": 16, "pd": 1, "generate": 1}, host="2 CPUs")
+    res.update(load_before=0.5, load_after=0.6)
+    md = decode_speed.markdown(res)
+    assert "with the hand-off, prefill's token then decode's, per request | 4.40 | 1.100 | 1.100 |" in md
+    assert "hand-off P/D request (its relay alone), same prompt and engine: 1.095 from the 2nd token." in md
+
+
 def test_rounds_without_pd_traffic_report_no_pd_ratios() -> None:
     rows = [_round({e: 0.004 for e in decode_speed.ENGINES}, {e: 0.05 for e in decode_speed.ENGINES})]
     res = decode_speed.analyse(rows)
