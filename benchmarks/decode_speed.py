@@ -56,6 +56,7 @@ NULL_KV = {
     "kv_connector_module_path": "benchmarks.null_connector",
     "kv_role": "kv_consumer",
 }
+ITL_METRIC = "vllm:inter_token_latency_seconds"
 # The measured P/D traffic: Assign path, Assign path with the first-token hand-off, Generate.
 MEASURED_PD = ("pd", "pd_handoff", "generate")
 _ENGINE_THREAD = "VLLM::EngineCor/main"  # the engine core process's own thread: the engine loop
@@ -112,12 +113,38 @@ def _since(now: Mapping[str, float], before: Mapping[str, float]) -> dict[str, f
 
 
 def _speed(times: list[float], n: int) -> dict[str, Any]:
-    """One streamed request's TPOT, per request and from its second token, and the gap before each
-    token after the first (ms; NaN and none when it did not bring its ``n`` tokens)."""
+    """One streamed request's TPOT, per request and from its second token, the gap before each token
+    after the first (ms) and ``span``: its first, second and last token's ``time.monotonic()``, to
+    line it up with a system trace (NaN and none when it did not bring its ``n`` tokens)."""
     if len(times) != n:
-        return {"tpot": math.nan, "tpot2": math.nan, "gaps_ms": []}
+        return {"tpot": math.nan, "tpot2": math.nan, "gaps_ms": [], "span": []}
     gaps = [round((b - a) * 1e3, 4) for a, b in zip(times, times[1:], strict=False)]
-    return {"tpot": paired.tpot(times), "tpot2": paired.tpot(times[1:]), "gaps_ms": gaps}
+    span = [times[0], times[min(1, n - 1)], times[-1]]
+    return {"tpot": paired.tpot(times), "tpot2": paired.tpot(times[1:]), "gaps_ms": gaps, "span": span}
+
+
+def itl_totals(metrics_text: str) -> tuple[float, float]:
+    """vLLM's inter-token latency histogram (its sum in seconds, its count) from a ``/metrics``
+    page: the gaps between a request's tokens as its engine core stamped them, before its API
+    server and whatever relays them."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = count = 0.0
+    for family in text_string_to_metric_families(metrics_text):
+        if family.name != ITL_METRIC:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_sum"):
+                total += sample.value
+            elif sample.name.endswith("_count"):
+                count += sample.value
+    return total, count
+
+
+def engine_itl(before: tuple[float, float], after: tuple[float, float]) -> float:
+    """The mean inter-token latency (s) of what an engine decoded between two ``itl_totals``."""
+    count = after[1] - before[1]
+    return (after[0] - before[0]) / count if count > 0 else math.nan
 
 
 def gap_profile(rows: list[dict[str, Any]], what: str) -> list[float]:
@@ -141,6 +168,12 @@ async def measure(
     c = serving_proxies.Client(120)
     n = args.output_len
     rows: list[dict[str, Any]] = []
+
+    async def itl_now(url: str) -> tuple[float, float]:
+        async with c.session.get(f"{url}/metrics") as resp:
+            resp.raise_for_status()
+            return itl_totals(await resp.text())
+
     try:
         async with pair.scheduler.security().aio_channel(pair.scheduler.address) as ch:
             stub = pb_grpc.SchedulerStub(ch)
@@ -192,21 +225,25 @@ async def measure(
                 traffic += [("pd", "waiting")] * args.pd_waiting + [("pd", "busy")] * args.pd_busy
                 for what, kind in traffic:
                     await asyncio.sleep(args.quiet_s)
+                    itl0 = await itl_now(pair.decode.base_url)
                     ts = await (generate(prompt) if what == "generate" else pd_request(prompt, kind))
                     measured = "pd_handoff" if kind == "handoff" else what if not kind else ""
                     if measured and measured not in row:  # the round's first of each, measured
-                        row[measured] = _speed(ts, n)
+                        itl = engine_itl(itl0, await itl_now(pair.decode.base_url))
+                        row[measured] = {**_speed(ts, n), "itl": itl}
                 k = i % len(ENGINES)
                 for name in ENGINES[k:] + ENGINES[:k]:  # none always first after the pause
                     await asyncio.sleep(args.quiet_s)
-                    pid = engines[name].pid
+                    pid, url = engines[name].pid, engines[name].base_url
+                    itl0 = await itl_now(url)
                     cpu0, wakes0 = tree_cpu_by_thread_s(pid), tree_wakes_by_thread(pid)
-                    ts = await c.token_times(engines[name].base_url, prompt, n, None, uuid.uuid4().hex)
+                    ts = await c.token_times(url, prompt, n, None, uuid.uuid4().hex)
                     row[name] = {
                         **_speed(ts, n),
                         "cpu_by_thread": _since(tree_cpu_by_thread_s(pid), cpu0),
                         "wakes_by_thread": _since(tree_wakes_by_thread(pid), wakes0),
                     }
+                    row[name]["itl"] = engine_itl(itl0, await itl_now(url))
                 rows.append(row)
     finally:
         await c.close()
@@ -224,7 +261,7 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
         def value(r: dict[str, Any], e: str) -> float:
             if key == "engine_cpu":
                 return float(r[e]["cpu_by_thread"].get(_ENGINE_THREAD, math.nan))
-            return float(r[e][key])
+            return float(r[e].get(key, math.nan))  # "itl": none in results from before it
 
         return [
             value(r, num) / paired.geomean([value(r, d) for d in den])
@@ -250,7 +287,7 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ("pd_handoff", (*plain_dens, ("pd", ("pd",)))),
         ("generate", (*plain_dens, ("pd", ("pd",)), ("pd_handoff", ("pd_handoff",)))),
     ):
-        for key in ("tpot", "tpot2"):
+        for key in ("tpot", "tpot2", "itl"):
             for label, den in dens:
                 x = per_prompt(what, den, key)
                 if x and not np.all(np.isnan(x)):
@@ -262,6 +299,7 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
         )
         engines[e] = {
             "tpot_ms": float(np.nanmedian([r[e]["tpot"] for r in rows])) * 1e3,
+            "itl_ms": _p50_ms(rows, e, "itl"),
             "cpu_ms_by_thread": {
                 t: float(np.median([r[e]["cpu_by_thread"].get(t, 0.0) for r in rows])) * 1e3 for t in threads
             },
@@ -271,12 +309,16 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
         }
     for what in MEASURED_PD:
         if any(what in r for r in rows):
-            engines[what] = {
-                f"{key}_ms": float(np.nanmedian([r[what][key] for r in rows if what in r])) * 1e3
-                for key in ("tpot", "tpot2")
-            }
+            engines[what] = {f"{key}_ms": _p50_ms(rows, what, key) for key in ("tpot", "tpot2", "itl")}
     gaps = {what: gap_profile(rows, what) for what in (*ENGINES, *MEASURED_PD)}
     return {"n": len(rows), "ratios": ratios, "engines": engines, "gaps_ms": {k: v for k, v in gaps.items() if v}}
+
+
+def _p50_ms(rows: list[dict[str, Any]], what: str, key: str) -> float:
+    """The median of ``what``'s ``key`` over the rounds that have it, in ms (NaN: none has it)."""
+    x = [float(r[what].get(key, math.nan)) for r in rows if what in r]
+    x = [v for v in x if not math.isnan(v)]
+    return float(np.median(x)) * 1e3 if x else math.nan
 
 
 def markdown(res: dict[str, Any], floor_ms: float = 0.05) -> str:
@@ -297,6 +339,8 @@ def markdown(res: dict[str, Any], floor_ms: float = 0.05) -> str:
         "(plain: a plain vLLM; null: a vLLM with a do-nothing KV connector; decode: kvpush's decode "
         "engine; both: the geometric mean of plain and null.) TPOT p50 ms: "
         + ", ".join(f"{x} {e[x]['tpot_ms']:.2f}" for x in ENGINES)
+        + "; vLLM's inter-token latency p50 ms: "
+        + ", ".join(f"{x} {e[x].get('itl_ms', math.nan):.2f}" for x in ENGINES)
         + ".",
         "",
         *_pd_lines(r, e),
@@ -330,6 +374,11 @@ def _gap_lines(gaps: dict[str, list[float]]) -> list[str]:
     ]
 
 
+# Each measured P/D request's speeds: at its caller per request and from its 2nd token, and at the
+# engine (vLLM's inter-token latency, decode's own steps without the relay).
+_PD_KEYS = (("tpot", "per request"), ("tpot2", "from the 2nd token"), ("itl", "engine's inter-token latency"))
+
+
 def _pd_lines(r: dict[str, float], e: dict[str, Any]) -> list[str]:
     """The measured P/D request's and ``Generate`` call's rows (none when the rounds had neither)."""
     rows = []
@@ -340,7 +389,9 @@ def _pd_lines(r: dict[str, float], e: dict[str, Any]) -> list[str]:
     ):
         if what not in e:
             continue
-        for key, which in (("tpot", "per request"), ("tpot2", "from the 2nd token")):
+        for key, which in _PD_KEYS:
+            if math.isnan(e[what].get(f"{key}_ms", math.nan)):
+                continue
             rows.append(
                 f"| {label}, {which} | {e[what][f'{key}_ms']:.2f} | {r.get(f'{key} {what}/both', math.nan):.3f} |"
                 f" {r.get(f'{key} {what}/decode', math.nan):.3f} |"
@@ -358,7 +409,7 @@ def _pd_lines(r: dict[str, float], e: dict[str, Any]) -> list[str]:
             ("pd_handoff/pd", "The hand-off P/D request", "P/D request (`Assign` path)"),
             ("generate/pd_handoff", "`Generate`", "hand-off P/D request (its relay alone)"),
         )
-        for key, which in (("tpot", "per request"), ("tpot2", "from the 2nd token"))
+        for key, which in _PD_KEYS
         if f"{key} {ratio}" in r
     ]
     return [*head, *rows, "", *tail, *([""] if tail else [])]

@@ -191,6 +191,49 @@ def test_the_handoff_request_splits_generate_into_handoff_and_relay() -> None:
     assert "hand-off P/D request (its relay alone), same prompt and engine: 1.095 from the 2nd token." in md
 
 
+_METRICS = """# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="m"} 3.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="m"} %(n)s
+vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} %(n)s
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} %(s)s
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_count{engine="0",model_name="m"} 9.0
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="m"} 7.5
+"""
+
+
+def test_engine_itl_is_the_histograms_growth_between_two_pages() -> None:
+    before = decode_speed.itl_totals(_METRICS % {"n": "10.0", "s": "0.05"})
+    after = decode_speed.itl_totals(_METRICS % {"n": "25.0", "s": "0.125"})
+    assert before == pytest.approx((0.05, 10.0))  # the ITL histogram only, not the TTFT one
+    assert decode_speed.engine_itl(before, after) == pytest.approx(0.075 / 15)
+    assert math.isnan(decode_speed.engine_itl(after, after))  # nothing decoded in between
+    assert decode_speed.itl_totals("") == (0.0, 0.0)
+
+
+def test_engine_itl_ratios_pair_generate_with_the_handoff_request() -> None:
+    speeds = {"plain": 0.004, "null": 0.004, "decode": 0.004}
+    rows = []
+    for _ in range(3):
+        row = _with_pd(_round(speeds, {e: 0.05 for e in decode_speed.ENGINES}), 0.0040, 0.0048, 0.0046)
+        row["pd_handoff"] = {"tpot": 0.0044, "tpot2": 0.0042, "itl": 0.0040}
+        row["generate"]["itl"] = 0.0041
+        rows.append(row)
+    res = decode_speed.analyse(rows)
+    assert res["ratios"]["itl generate/pd_handoff"] == pytest.approx(1.025)
+    assert "itl pd/both" not in res["ratios"]  # neither the pd rows nor the plain ones have it
+    assert res["engines"]["generate"]["itl_ms"] == pytest.approx(4.1)
+    assert math.isnan(res["engines"]["pd"]["itl_ms"])
+    res.update(config={"prompt_len": 1024, "output_len": 16, "pd": 1, "generate": 1}, host="2 CPUs")
+    res.update(load_before=0.5, load_after=0.6)
+    md = decode_speed.markdown(res)
+    assert "| `Generate`, at its caller, engine's inter-token latency | 4.10 | nan | nan |" in md
+    assert "(its relay alone), same prompt and engine: 1.025 engine's inter-token latency." in md
+    assert "P/D request (`Assign` path), decode leg, engine's" not in md
+
+
 def test_rounds_without_pd_traffic_report_no_pd_ratios() -> None:
     rows = [_round({e: 0.004 for e in decode_speed.ENGINES}, {e: 0.05 for e in decode_speed.ENGINES})]
     res = decode_speed.analyse(rows)
@@ -208,8 +251,9 @@ def test_speed_of_a_short_stream_is_nan() -> None:
     s = decode_speed._speed([0.0, 0.004, 0.010], 3)
     assert (s["tpot"], s["tpot2"]) == pytest.approx((0.005, 0.006))
     assert s["gaps_ms"] == pytest.approx([4.0, 6.0])
+    assert s["span"] == pytest.approx([0.0, 0.004, 0.010])
     short = decode_speed._speed([0.0, 0.004], 3)
-    assert math.isnan(short["tpot"]) and math.isnan(short["tpot2"]) and short["gaps_ms"] == []
+    assert math.isnan(short["tpot"]) and math.isnan(short["tpot2"]) and short["gaps_ms"] == short["span"] == []
 
 
 def test_gap_profile_is_the_median_gap_at_each_token() -> None:
