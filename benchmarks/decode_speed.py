@@ -270,14 +270,16 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ]
 
     ratios: dict[str, float] = {}
-    for key in ("tpot", "engine_cpu"):
+    for key in ("tpot", "engine_cpu", "itl"):
         for label, num, den in (
             ("decode/plain", "decode", ("plain",)),
             ("null/plain", "null", ("plain",)),
             ("decode/null", "decode", ("null",)),
             ("decode/both", "decode", ("plain", "null")),
         ):
-            ratios[f"{key} {label}"] = float(np.nanmedian(per_prompt(num, den, key)))
+            x = per_prompt(num, den, key)
+            if key != "itl" or not np.all(np.isnan(x)):  # "itl": none in results from before it
+                ratios[f"{key} {label}"] = float(np.nanmedian(x))
     # The measured P/D requests and Generate call of each round, against its plain requests, and
     # against each other (all P/D on the decode engine): Generate / pd is the relay and the
     # hand-off, pd_handoff / pd the hand-off alone, Generate / pd_handoff the relay alone.

@@ -224,6 +224,11 @@ def test_engine_itl_ratios_pair_generate_with_the_handoff_request() -> None:
     res = decode_speed.analyse(rows)
     assert res["ratios"]["itl generate/pd_handoff"] == pytest.approx(1.025)
     assert "itl pd/both" not in res["ratios"]  # neither the pd rows nor the plain ones have it
+    assert "itl decode/plain" not in res["ratios"]
+    for row in rows:
+        for e, itl in (("plain", 0.004), ("null", 0.004), ("decode", 0.0042)):
+            row[e]["itl"] = itl
+    assert decode_speed.analyse(rows)["ratios"]["itl decode/both"] == pytest.approx(1.05)
     assert res["engines"]["generate"]["itl_ms"] == pytest.approx(4.1)
     assert math.isnan(res["engines"]["pd"]["itl_ms"])
     res.update(config={"prompt_len": 1024, "output_len": 16, "pd": 1, "generate": 1}, host="2 CPUs")
