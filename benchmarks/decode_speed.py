@@ -225,10 +225,12 @@ async def measure(
                 traffic += [("pd", "waiting")] * args.pd_waiting + [("pd", "busy")] * args.pd_busy
                 for what, kind in traffic:
                     await asyncio.sleep(args.quiet_s)
-                    itl0 = await itl_now(pair.decode.base_url)
-                    ts = await (generate(prompt) if what == "generate" else pd_request(prompt, kind))
                     measured = "pd_handoff" if kind == "handoff" else what if not kind else ""
-                    if measured and measured not in row:  # the round's first of each, measured
+                    if measured in row:
+                        measured = ""  # the round's first of each is measured
+                    itl0 = await itl_now(pair.decode.base_url) if measured else (0.0, 0.0)
+                    ts = await (generate(prompt) if what == "generate" else pd_request(prompt, kind))
+                    if measured:
                         itl = engine_itl(itl0, await itl_now(pair.decode.base_url))
                         row[measured] = {**_speed(ts, n), "itl": itl}
                 k = i % len(ENGINES)
