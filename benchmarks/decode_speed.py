@@ -302,7 +302,7 @@ def analyse(rows: list[dict[str, Any]]) -> dict[str, Any]:
             {t for r in rows for t in r[e]["cpu_by_thread"]} | {t for r in rows for t in r[e]["wakes_by_thread"]}
         )
         engines[e] = {
-            "tpot_ms": float(np.nanmedian([r[e]["tpot"] for r in rows])) * 1e3,
+            "tpot_ms": _p50_ms(rows, e, "tpot"),
             "itl_ms": _p50_ms(rows, e, "itl"),
             "cpu_ms_by_thread": {
                 t: float(np.median([r[e]["cpu_by_thread"].get(t, 0.0) for r in rows])) * 1e3 for t in threads
