@@ -13,6 +13,10 @@ Setups, one after another on the same machine, with the same token-id prompts:
 * ``ours``: ``KvPushConnector`` behind the same kind of concurrent proxy, with the legs' parameters
   from our scheduler's ``Assign`` (then ``Release``); ``ours_grpc``: the same pair through the
   scheduler's ``Generate`` stream.
+* ``single_paired`` (``--paired-single-core C``): one plain vLLM on core C, started with our pair,
+  whose requests join our setups' interleaved arrival stream: the same moments of the machine as
+  ours, so TTFT differences and TPOT ratios against it are paired (at light load, where it and our
+  engines seldom run at once; separate launches on a shared VM drift by tens of percent).
 
 The proxies are asyncio functions in this process (one aiohttp session), so every setup pays the
 same client overhead. Arrivals are Poisson; every request has a fresh random prompt; prefix caching
@@ -73,7 +77,7 @@ from benchmarks.serving_proxies import (
     round_robin_proxy,
     single_proxy,
 )
-from benchmarks.serving_report import derive, goals, markdown, plots
+from benchmarks.serving_report import derive, goals, markdown, paired, plots
 from benchmarks.serving_slo import SLO_ATTAINMENT, apply_slo, goodput_summary, slos_for, tpot_slo_sweep
 
 _KV_RE = re.compile(r"(\w+)=('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|[^\s]+)")
@@ -251,7 +255,9 @@ class Harness:
                 srv.stop()
 
     @contextlib.contextmanager
-    def pair(self, kind: str) -> Iterator[Pair]:
+    def pair(self, kind: str, extra: Sequence[tuple[Any, int]] = ()) -> Iterator[Pair]:
+        """The P/D pair of ``kind`` (with our scheduler for ``ours``); ``extra`` servers (with their
+        cores) start side by side with it and stop with it."""
         from kvpush.services.common.vllm_server import free_port
         from scripts.cluster.scheduler import start_scheduler
         from scripts.cluster.vllm import connector_config
@@ -293,6 +299,7 @@ class Harness:
                     }
                     srv = self.server(f"{kind}-{role}", core, kv, env)
                 servers.append((srv, core))
+            servers.extend(extra)
             self.start(servers)
             pair = Pair(servers[0][0], servers[1][0], p_side, sched)
             if sched is not None:
@@ -641,7 +648,12 @@ async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[P
                 await warm_up(rr, h)
                 out["two_plain"] = await measure("two_plain", rr, pts, h)
             return out
-        with h.pair(kind) as pair:
+        paired = None
+        if kind == "ours" and a.paired_single_core is not None:
+            core = a.paired_single_core
+            env = _env_pairs(a.decode_env if core == h.d_core else a.prefill_env)
+            paired = h.server("single_paired", core, None, env)
+        with h.pair(kind, [(paired, a.paired_single_core)] if paired is not None else []) as pair:
             p_url, d_url = pair.prefill.base_url, pair.decode.base_url
             if kind == "pull":
                 proxy = pull_proxy(client, p_url, d_url)
@@ -661,7 +673,9 @@ async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[P
                     ours = [("ours", ours_proxy(client, stub)), ("ours_ft", ours_ft_proxy(client, stub))]
                     if not a.no_grpc:
                         ours.append(("ours_grpc", grpc_proxy(stub)))
-                    if a.interleave:
+                    if paired is not None:
+                        ours.append(("single_paired", single_proxy(client, paired.base_url)))
+                    if a.interleave or paired is not None:
                         for _, proxy in ours:
                             await warm_up(proxy, h)
                         out.update(await measure_interleaved(ours, pts, h, logs))
@@ -749,6 +763,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="how every one-rank vLLM runs its model: uni (in the EngineCore process, the default) or mp "
         "(a Worker process; vLLM's CPU default). Default: $KVPUSH_VLLM_EXECUTOR, else uni",
+    )
+    ap.add_argument(
+        "--paired-single-core",
+        type=int,
+        default=None,
+        help="with ours: one plain vLLM on this core joins our setups' interleaved arrival stream "
+        "(single_paired; implies --interleave for ours), for TTFT and TPOT paired against one instance",
     )
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin process trees (GPU machines)")
     ap.add_argument("--prefill-env", action="append", default=[], help="KEY=VAL for P (and single), repeatable")
@@ -884,6 +905,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "total_seconds": time.monotonic() - t_start,
     }
     res["goals"] = goals(results, derived)
+    res["paired"] = paired(results)
     res = _jsonable(res)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(res, indent=1))

@@ -12,7 +12,8 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-SETUPS = ("single", "two_plain", "pull", "push", "ours", "ours_ft", "ours_grpc")  # result names, report order
+# Result names, report order; ``single_paired``: one plain vLLM in our setups' arrival stream (--paired-single-core).
+SETUPS = ("single", "two_plain", "pull", "push", "ours", "ours_ft", "ours_grpc", "single_paired")
 PAIRS = ("pull", "push", "ours")  # P/D pairs to start; ``ours`` serves ``ours``, ``ours_ft`` and ``ours_grpc``
 KINDS = ("single", "two_plain", *PAIRS)  # what ``--setups`` names
 SUSTAINED = 0.9  # a point is sustained when throughput >= 0.9 x offered rate and nothing failed

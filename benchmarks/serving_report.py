@@ -52,6 +52,34 @@ def derive(results: dict[str, list[PointResult]], raw: dict[int, dict[str, float
     return rows
 
 
+OURS = ("ours", "ours_ft", "ours_grpc")
+
+
+def paired(results: dict[str, list[PointResult]]) -> list[dict]:
+    """Per point where ``single_paired`` ran (one plain vLLM in our setups' arrival stream): each of
+    our setups' TTFT p50 minus its, and TPOT p50 and TPOT-from-the-2nd-token p50 over its. The same
+    moments of the machine, so these carry none of the drift between launches."""
+    by = {name: {(r.prompt_len, r.max_tokens, r.rate): r for r in rs} for name, rs in results.items()}
+    rows = []
+    for key, plain in sorted(by.get("single_paired", {}).items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
+        row: dict[str, Any] = {
+            "prompt_len": key[0],
+            "max_tokens": key[1],
+            "rate": key[2],
+            "plain_ttft_p50_ms": plain.ttft_p50_ms,
+            "plain_tpot_p50_ms": plain.tpot_p50_ms,
+        }
+        for name in OURS:
+            r = by.get(name, {}).get(key)
+            if r is None:
+                continue
+            row[f"ttft_{name}-plain_ms"] = r.ttft_p50_ms - plain.ttft_p50_ms
+            row[f"tpot_{name}/plain"] = r.tpot_p50_ms / plain.tpot_p50_ms
+            row[f"tpot2_{name}/plain"] = r.tpot_rest_p50_ms / plain.tpot_rest_p50_ms
+        rows.append(row)
+    return rows
+
+
 def goals(results: dict[str, list[PointResult]], derived: list[dict]) -> list[dict]:
     """Per prompt length and output length, at the highest rate that ours, push and pull all sustained."""
     by = {name: {(r.prompt_len, r.max_tokens, r.rate): r for r in rs} for name, rs in results.items()}
@@ -152,6 +180,7 @@ def markdown(res: dict[str, Any]) -> str:
         "load1 / foreign vLLMs | CPU cal. P / D ms |",
         "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
+    shown = tuple(n for n in SETUPS if results.get(n))  # goodput columns: the setups that ran
     dmap = {(d["prompt_len"], d["max_tokens"], d["rate"]): d for d in res["derived"]}
     keys = sorted(
         {(r["max_tokens"], r["prompt_len"], r["rate"]) for n, rs in results.items() if n != "prefill_only" for r in rs}
@@ -192,11 +221,11 @@ def markdown(res: dict[str, Any]) -> str:
         "",
         _slo_line(res),
         "",
-        "| prompt | out | SLO TTFT ms | SLO TPOT ms | " + " | ".join(SETUPS) + " |",
-        "|---:|---:|---:|---:|" + "---|" * len(SETUPS),
+        "| prompt | out | SLO TTFT ms | SLO TPOT ms | " + " | ".join(shown) + " |",
+        "|---:|---:|---:|---:|" + "---|" * len(shown),
     ]
     for g in res.get("goodput", []):
-        cells = " | ".join(_rate_cell(g["setups"].get(n)) for n in SETUPS)
+        cells = " | ".join(_rate_cell(g["setups"].get(n)) for n in shown)
         lines.append(
             f"| {g['prompt_len']} | {g['max_tokens']} | {_f(g.get('slo_ttft_ms'), 0)} | {_f(g.get('slo_tpot_ms'), 1)} "
             f"| {cells} |"
@@ -211,16 +240,42 @@ def markdown(res: dict[str, Any]) -> str:
         lines += [
             "#### The same, across TPOT targets (TTFT target as above)",
             "",
-            "| prompt | out | TPOT target | SLO TPOT ms | " + " | ".join(SETUPS) + " |",
-            "|---:|---:|---:|---:|" + "---|" * len(SETUPS),
+            "| prompt | out | TPOT target | SLO TPOT ms | " + " | ".join(shown) + " |",
+            "|---:|---:|---:|---:|" + "---|" * len(shown),
         ]
         for g in res["goodput_by_tpot_slo"]:
-            cells = " | ".join(_rate_cell(g["setups"].get(n)) for n in SETUPS)
+            cells = " | ".join(_rate_cell(g["setups"].get(n)) for n in shown)
             lines.append(
                 f"| {g['prompt_len']} | {g['max_tokens']} | {g['tpot_factor']:g} × unloaded | "
                 f"{_f(g['slo_tpot_ms'], 1)} | {cells} |"
             )
         lines.append("")
+    if res.get("paired"):
+        lines += [
+            "### Paired against one plain vLLM in the same arrival stream (`single_paired`)",
+            "",
+            "| prompt | out | rate /s | plain TTFT p50 ms | TTFT − plain: ours / ours_ft / ours_grpc ms | "
+            "TPOT / plain | TPOT from 2nd / plain |",
+            "|---:|---:|---:|---:|---|---|---|",
+        ]
+        for d in res["paired"]:
+            lines.append(
+                f"| {d['prompt_len']} | {d['max_tokens']} | {d['rate']:g} | {_f(d['plain_ttft_p50_ms'])} | "
+                + " / ".join(
+                    f"{d[k]:+.1f}" if d.get(k) is not None else "–" for k in (f"ttft_{n}-plain_ms" for n in OURS)
+                )
+                + " | "
+                + " / ".join(_f(d.get(f"tpot_{n}/plain"), 3) for n in OURS)
+                + " | "
+                + " / ".join(_f(d.get(f"tpot2_{n}/plain"), 3) for n in OURS)
+                + " |"
+            )
+        lines += [
+            "",
+            "`single_paired` runs on its own core, started with our pair; its requests are arrivals of the same "
+            "Poisson stream as ours (each setup an equal share), so the differences carry no launch-to-launch drift.",
+            "",
+        ]
     lines += [
         "### Ratios (p50), hand-off and raw NIXL",
         "",

@@ -394,7 +394,7 @@ def test_markdown_shows_two_plain_and_goodput(tmp_path: Path) -> None:
         f"1 ({results['single'][0].goodput_rps:.2f})",
         f"2 ({results['two_plain'][1].goodput_rps:.2f})",
     ]
-    assert cells[6:] == ["–"] * 5  # pull, push, ours, ours_ft, ours_grpc not run
+    assert len(cells) == 6  # the setups that ran, no column for pull, push, ours... not run
     assert "across TPOT targets" in md
     tight = next(line for line in md.splitlines() if line.startswith("| 1024 | 16 | 1.25 × unloaded | 12.5 |"))
     assert [c.strip() for c in tight.strip("|").split("|")][4] == "1 (" + f"{results['single'][0].goodput_rps:.2f})"
@@ -517,6 +517,38 @@ def test_measure_interleaved_sends_each_setup_its_own_requests_in_one_stream(tmp
 def test_interleave_flag() -> None:
     assert sv.parse_args(["--interleave"]).interleave is True
     assert sv.parse_args([]).interleave is False
+    assert sv.parse_args([]).paired_single_core is None
+    assert sv.parse_args(["--setups", "ours", "--paired-single-core", "1"]).paired_single_core == 1
+
+
+def test_paired_rows_compare_our_setups_with_the_plain_vllm_of_the_same_stream() -> None:
+    """TTFT as a difference, TPOT (per request and from the 2nd token) as a ratio, per point where
+    single_paired ran; a setup that did not run at that point has no entry."""
+    lo, hi = Point(1024, 0.5, 10, 16), Point(1024, 1.5, 10, 16)
+    results = {
+        "single_paired": [_result("single_paired", pt, [0.030] * 10, tpot_s=0.004) for pt in (lo, hi)],
+        "ours_ft": [_result("ours_ft", pt, [0.0335] * 10, tpot_s=0.0042) for pt in (lo, hi)],
+        "ours_grpc": [_result("ours_grpc", lo, [0.0290] * 10, tpot_s=0.005)],
+        "single": [_result("single", lo, [0.010] * 10, tpot_s=0.001)],  # another launch: not a reference here
+    }
+    results["single_paired"][0].tpot_rest_p50_ms, results["ours_grpc"][0].tpot_rest_p50_ms = 4.0, 5.0
+    rows = sv_report.paired(results)
+    assert [(r["rate"], r["max_tokens"]) for r in rows] == [(0.5, 16), (1.5, 16)]
+    low = rows[0]
+    assert low["plain_ttft_p50_ms"] == pytest.approx(30.0)
+    assert low["ttft_ours_ft-plain_ms"] == pytest.approx(3.5)
+    assert low["ttft_ours_grpc-plain_ms"] == pytest.approx(-1.0)
+    assert low["tpot_ours_ft/plain"] == pytest.approx(1.05)
+    assert low["tpot2_ours_grpc/plain"] == pytest.approx(1.25)
+    assert "ttft_ours-plain_ms" not in low  # ours did not run
+    assert "ttft_ours_grpc-plain_ms" not in rows[1]
+    res = _res(results, None)
+    res["paired"] = sv._jsonable(rows)
+    md = sv_report.markdown(res)
+    line = next(x for x in md.splitlines() if x.startswith("| 1024 | 16 | 0.5 | 30.0 |"))
+    assert "– / +3.5 / -1.0" in line and "– / 1.050 / 1.250" in line and line.endswith("| – / – / 1.250 |")
+    assert "### Paired against one plain vLLM" in md
+    assert "### Paired against" not in sv_report.markdown(_res(_sweep(), None))  # no single_paired: no section
 
 
 def test_a_paired_benchmark_writes_its_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
