@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from typing import Any, NamedTuple
 
 from kvpush.connector.completion_tokens import COMPLETION_TOKENS
@@ -102,6 +103,10 @@ class DecodeScheduler:
         self._tokens: dict[str, dict[str, tuple[pb.FirstToken, float, int]]] = {}
         self._pending_tokens = 0
         self._token_seq = 0  # relay order
+        # Transfer ids whose request ended here, and when (bounded like the pending tokens): a first
+        # token for one that comes later (the relay's copy of a token taken from a completion, late
+        # under faults) is dropped at once as late, not kept to expire as an unclaimed token.
+        self._ended: OrderedDict[str, float] = OrderedDict()
         self._want_token: dict[str, _WantToken] = {}  # hand-off requests reserved, token not appended yet
         self._new_waiting: list[str] = []  # reserved this step, waiting for their token too
         self._delivered: list[str] = []  # tokens appended this step
@@ -196,6 +201,10 @@ class DecodeScheduler:
                 holder = self._holders.get(ft.transfer_id)
                 if holder is not None and holder not in self._want_token:
                     continue  # its request took its token already (say, from a completion)
+                if holder is None and ft.transfer_id in self._ended:
+                    FIRST_TOKENS.labels("late").inc()
+                    log.info("first_token_late", transfer_id=ft.transfer_id, prefill=ft.prefill_engine_id)
+                    continue
                 if self._pending_tokens >= _MAX_PENDING_TOKENS:
                     FIRST_TOKENS.labels("refused").inc()
                     log.warning("first_token_refused", transfer_id=ft.transfer_id, reason="too many pending")
@@ -230,6 +239,15 @@ class DecodeScheduler:
                     log.warning("first_token_expired", transfer_id=tid, prefill=prefill)
             if not per:
                 del self._tokens[tid]
+
+    def _note_ended(self, tid: str) -> None:
+        now = time.monotonic()
+        self._ended[tid] = now
+        self._ended.move_to_end(tid)
+        while self._ended and (
+            len(self._ended) > _MAX_PENDING_TOKENS or now - next(iter(self._ended.values())) > _PENDING_TOKEN_S
+        ):
+            self._ended.popitem(last=False)
 
     def _take_carried(self, ft: pb.FirstToken) -> None:
         rid = self._holders.get(ft.transfer_id)
@@ -455,6 +473,7 @@ class DecodeScheduler:
         tid = reserved[0] if reserved is not None else None
         if tid is not None and self._holders.get(tid) == rid:
             del self._holders[tid]
+            self._note_ended(tid)
         received = rid in self._received
         tried = rid in self._tried or rid in self._duplicates
         self._received.discard(rid)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
@@ -276,6 +277,36 @@ def test_a_completions_token_is_appended_and_a_later_relay_changes_nothing() -> 
     s._first_tokens([_token(token=7)])  # the relay's copy of it
     assert _step(s).first_token_delivered == [] and r.num_prompt_tokens == 38
     assert not s._tokens and s._pending_tokens == 0
+
+
+@pytest.mark.parametrize("took_token", [True, False])
+def test_a_token_that_comes_after_its_request_ended_is_dropped_as_late(took_token: bool) -> None:
+    """Under faults the relay's copy of a token decode already took from the completion can come
+    after the request has ended (a soak on 2026-12-07: three such, each kept for a minute and then
+    reported as an unclaimed token). A token for a transfer whose hand-off request ended here,
+    with its token or without, is dropped at once and counted as late, never as expired."""
+    from kvpush.services.decode_agent.metrics import FIRST_TOKENS
+
+    s, _ = _decode()
+    r = _request("r", list(range(3, 40)), _leg())
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, _Blocks(), 37)
+    _step(s)
+    if took_token:
+        s._completion_token(_token(token=7))
+        assert _step(s).first_token_delivered == ["r"]
+    s.request_finished(r)
+    _step(s)
+    late, expired = FIRST_TOKENS.labels("late")._value.get(), FIRST_TOKENS.labels("expired")._value.get()
+    s._first_tokens([_token(token=7)])
+    _step(s)
+    assert not s._tokens and s._pending_tokens == 0
+    s._take_tokens(time.monotonic() + 61)
+    assert FIRST_TOKENS.labels("late")._value.get() == late + 1
+    assert FIRST_TOKENS.labels("expired")._value.get() == expired
+    s._first_tokens([_token(tid="nobody")])  # a transfer never reserved here still waits, then expires
+    _step(s)
+    assert s._pending_tokens == 1
 
 
 def test_a_completions_token_is_taken_only_from_the_legs_prefill() -> None:

@@ -23,7 +23,8 @@ REROUTES = Counter(
 )
 FIRST_TOKENS = Counter(
     "kvpush_decode_first_tokens_total",
-    "First-token hand-off: relayed tokens appended to a waiting request, or refused",
+    "First-token hand-off: tokens by outcome (appended to a waiting request; refused; expired, "
+    "unclaimed for a minute; late, for a request that had ended)",
     ["outcome"],
 )
 FIRST_TOKEN_PATHS = Counter(
