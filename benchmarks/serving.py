@@ -813,6 +813,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     bad = set(args.setups) - set(KINDS)
     if bad:
         ap.error(f"unknown setups {sorted(bad)}")
+    if args.paired_single_core is not None and "ours" not in args.setups:
+        ap.error("--paired-single-core joins our setups' arrival stream: it needs ours in --setups")
     if not args.max_model_len:
         need = max(args.prompt_lens) + max(args.output_lens)
         args.max_model_len = 1 << (need - 1).bit_length()

@@ -519,6 +519,8 @@ def test_interleave_flag() -> None:
     assert sv.parse_args([]).interleave is False
     assert sv.parse_args([]).paired_single_core is None
     assert sv.parse_args(["--setups", "ours", "--paired-single-core", "1"]).paired_single_core == 1
+    with pytest.raises(SystemExit):
+        sv.parse_args(["--setups", "single,two_plain", "--paired-single-core", "1"])  # nothing to pair with
 
 
 def test_paired_rows_compare_our_setups_with_the_plain_vllm_of_the_same_stream() -> None:
