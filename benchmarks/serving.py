@@ -648,12 +648,12 @@ async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[P
                 await warm_up(rr, h)
                 out["two_plain"] = await measure("two_plain", rr, pts, h)
             return out
-        paired = None
+        plain = None  # single_paired's server: one plain vLLM in our setups' arrival stream
         if kind == "ours" and a.paired_single_core is not None:
             core = a.paired_single_core
             env = _env_pairs(a.decode_env if core == h.d_core else a.prefill_env)
-            paired = h.server("single_paired", core, None, env)
-        with h.pair(kind, [(paired, a.paired_single_core)] if paired is not None else []) as pair:
+            plain = h.server("single_paired", core, None, env)
+        with h.pair(kind, [(plain, a.paired_single_core)] if plain is not None else []) as pair:
             p_url, d_url = pair.prefill.base_url, pair.decode.base_url
             if kind == "pull":
                 proxy = pull_proxy(client, p_url, d_url)
@@ -673,9 +673,9 @@ async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[P
                     ours = [("ours", ours_proxy(client, stub)), ("ours_ft", ours_ft_proxy(client, stub))]
                     if not a.no_grpc:
                         ours.append(("ours_grpc", grpc_proxy(stub)))
-                    if paired is not None:
-                        ours.append(("single_paired", single_proxy(client, paired.base_url)))
-                    if a.interleave or paired is not None:
+                    if plain is not None:
+                        ours.append(("single_paired", single_proxy(client, plain.base_url)))
+                    if a.interleave or plain is not None:
                         for _, proxy in ours:
                             await warm_up(proxy, h)
                         out.update(await measure_interleaved(ours, pts, h, logs))

@@ -13,11 +13,17 @@ GOAL_TTFT_VS_PUSH = 0.7
 GOAL_TTFT_VS_PULL = 0.4
 GOAL_TPOT_VS_PUSH = 1.0
 GOAL_HANDOFF_VS_NIXL = 1.2
+OURS = ("ours", "ours_ft", "ours_grpc")  # our three paths, one P/D pair
+
+
+def _by_point(results: dict[str, list[PointResult]]) -> dict[str, dict[tuple[int, int, float], PointResult]]:
+    """Each setup's results by (prompt length, output length, rate)."""
+    return {name: {(r.prompt_len, r.max_tokens, r.rate): r for r in rs} for name, rs in results.items()}
 
 
 def derive(results: dict[str, list[PointResult]], raw: dict[int, dict[str, float]], model: ModelInfo) -> list[dict]:
     """Per point: hand-off overhead of each P/D setup and the ratios of ours to upstream."""
-    by = {name: {(r.prompt_len, r.max_tokens, r.rate): r for r in rs} for name, rs in results.items()}
+    by = _by_point(results)
     pre_by = {(r.prompt_len, r.rate): r for r in results.get("prefill_only", [])}
     rows = []
     for (length, out, rate), single in by.get("single", {}).items():
@@ -32,14 +38,14 @@ def derive(results: dict[str, list[PointResult]], raw: dict[int, dict[str, float
             "prefill_only_ttft_p50_ms": pre.ttft_p50_ms if pre else math.nan,
             "single_tpot_p50_ms": single.tpot_p50_ms,
         }
-        for name in ("pull", "push", "ours", "ours_ft", "ours_grpc"):
+        for name in ("pull", "push", *OURS):
             r = by.get(name, {}).get((length, out, rate))
             if r is None:
                 continue
             handoff = r.ttft_p50_ms - row["prefill_only_ttft_p50_ms"] - single.tpot_p50_ms
             row[f"handoff_{name}_ms"] = handoff
             row[f"sustained_{name}"] = r.sustained
-        for ours in ("ours", "ours_ft", "ours_grpc"):
+        for ours in OURS:
             o = by.get(ours, {}).get((length, out, rate))
             for up in ("push", "pull"):
                 u = by.get(up, {}).get((length, out, rate))
@@ -52,14 +58,11 @@ def derive(results: dict[str, list[PointResult]], raw: dict[int, dict[str, float
     return rows
 
 
-OURS = ("ours", "ours_ft", "ours_grpc")
-
-
 def paired(results: dict[str, list[PointResult]]) -> list[dict]:
     """Per point where ``single_paired`` ran (one plain vLLM in our setups' arrival stream): each of
     our setups' TTFT p50 minus its, and TPOT p50 and TPOT-from-the-2nd-token p50 over its. The same
     moments of the machine, so these carry none of the drift between launches."""
-    by = {name: {(r.prompt_len, r.max_tokens, r.rate): r for r in rs} for name, rs in results.items()}
+    by = _by_point(results)
     rows = []
     for key, plain in sorted(by.get("single_paired", {}).items(), key=lambda kv: (kv[0][1], kv[0][0], kv[0][2])):
         row: dict[str, Any] = {
@@ -82,7 +85,7 @@ def paired(results: dict[str, list[PointResult]]) -> list[dict]:
 
 def goals(results: dict[str, list[PointResult]], derived: list[dict]) -> list[dict]:
     """Per prompt length and output length, at the highest rate that ours, push and pull all sustained."""
-    by = {name: {(r.prompt_len, r.max_tokens, r.rate): r for r in rs} for name, rs in results.items()}
+    by = _by_point(results)
     out = []
     for length, mt in sorted({(d["prompt_len"], d["max_tokens"]) for d in derived}):
         rows = [d for d in derived if (d["prompt_len"], d["max_tokens"]) == (length, mt)]
@@ -302,7 +305,7 @@ def markdown(res: dict[str, Any]) -> str:
         "D release → first token |",
         "|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for name in ("ours", "ours_ft", "ours_grpc"):
+    for name in OURS:
         for r in results.get(name, []):
             ph = r.get("phases") or {}
             lines.append(
