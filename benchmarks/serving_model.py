@@ -74,6 +74,8 @@ class Sample:
     tokens: int = 0
     error: str = ""
     transfer_id: str = ""  # ours: joins the request to our agents' log events
+    # ours_ft: when the prefill leg's answer (with the same first token) came, after ``sent``
+    ttft_answer: float = math.nan
     sent_wall: float = math.nan  # time.time() at send, to compare with log timestamps
 
 
@@ -104,6 +106,8 @@ class PointResult:
     req_tpot_ms: list[float] = field(default_factory=list)
     gap2_p50_ms: float = math.nan  # first -> second token
     tpot_rest_p50_ms: float = math.nan  # mean TPOT from the second token on
+    # ours_ft: TTFT p50 had the first token been taken from the prefill leg's answer (same requests)
+    ttft_answer_p50_ms: float = math.nan
     # Filled by ``apply_slo`` once the SLOs are known (NaN: no SLO, e.g. no ``single`` run).
     slo_ttft_ms: float = math.nan
     slo_tpot_ms: float = math.nan
@@ -150,5 +154,6 @@ def summarize(setup: str, point: Point, samples: list[Sample], share: float = 1.
         req_tpot_ms=[s.tpot * 1e3 if s.ok else math.nan for s in samples],
         gap2_p50_ms=percentile([s.gap2 for s in good], 50),
         tpot_rest_p50_ms=percentile([s.tpot_rest for s in good], 50),
+        ttft_answer_p50_ms=percentile([s.ttft_answer for s in good], 50),
         share=share,
     )

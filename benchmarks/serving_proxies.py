@@ -268,8 +268,10 @@ def ours_proxy(c: Client, stub: Any) -> Proxy:
 
 def ours_ft_proxy(c: Client, stub: Any) -> Proxy:
     """``ours`` with the first-token hand-off, as a custom frontend does it (docs/first_token.md):
-    Assign asking for it, both legs at once, decode asked for one token less; the first token is
-    prefill's answer, then decode's tokens follow."""
+    Assign asking for it, ``AwaitFirstToken`` and both legs at once, decode asked for one token
+    less; the first token is the scheduler's answer, then decode's tokens follow. The prefill leg's
+    own answer carries the same token: when it arrived is kept too (``Sample.ttft_answer``, the
+    recipe before ``AwaitFirstToken``), and the two tokens must agree."""
     from google.protobuf.json_format import MessageToDict
 
     from kvpush.v1 import kvpush_pb2 as pb
@@ -282,28 +284,40 @@ def ours_ft_proxy(c: Client, stub: Any) -> Proxy:
         a = await stub.Assign(req, timeout=30)
         s.transfer_id = a.transfer_id
         outcome = pb.OUTCOME_FAILED
-        first_at: list[float] = []
+        first: list[tuple[float, int]] = []  # (when, token): the scheduler's answer, then the prefill leg's
+
+        async def awaited() -> None:
+            got = await stub.AwaitFirstToken(
+                pb.AwaitFirstTokenRequest(transfer_id=a.transfer_id, epoch=a.epoch), timeout=30
+            )
+            first.insert(0, (time.monotonic(), int(got.token_id)))
 
         async def prefill() -> None:
             answer = await c.once(a.prefill.http_endpoint, prompt, 1, MessageToDict(a.prefill_kv_transfer_params), rid)
-            if not answer["choices"][0].get("token_ids"):
+            ids = answer["choices"][0].get("token_ids")
+            if not ids:
                 raise RuntimeError("prefill answered no token")
-            first_at.append(time.monotonic())
+            first.append((time.monotonic(), int(ids[0])))
 
         try:
             if not a.first_token_from_prefill:
                 raise RuntimeError("the scheduler did not grant the first-token hand-off")
-            task = asyncio.create_task(prefill())
+            tasks = [asyncio.create_task(awaited()), asyncio.create_task(prefill())]
             try:
                 params = MessageToDict(a.decode_kv_transfer_params)
                 decoded = await c.token_times(a.decode.http_endpoint, prompt, max_tokens - 1, params, rid)
-                await task
+                await asyncio.gather(*tasks)
             finally:
-                task.cancel()
-                with contextlib.suppress(BaseException):
-                    await task
-            times = sorted([first_at[0], *decoded])
+                for task in tasks:
+                    task.cancel()
+                    with contextlib.suppress(BaseException):
+                        await task
+            (at, token), (answered_at, answered) = first
+            if token != answered:
+                raise RuntimeError(f"AwaitFirstToken gave {token}, the prefill leg answered {answered}")
+            times = sorted([at, *decoded])
             record(s, times[0], times[-1], len(times), max_tokens, _second(times))
+            s.ttft_answer = answered_at - s.sent
             outcome = pb.OUTCOME_OK
         finally:
             await release_assignment(stub, a, outcome)

@@ -79,6 +79,8 @@ def paired(results: dict[str, list[PointResult]]) -> list[dict]:
             row[f"ttft_{name}-plain_ms"] = r.ttft_p50_ms - plain.ttft_p50_ms
             row[f"tpot_{name}/plain"] = r.tpot_p50_ms / plain.tpot_p50_ms
             row[f"tpot2_{name}/plain"] = r.tpot_rest_p50_ms / plain.tpot_rest_p50_ms
+            if name == "ours_ft" and not math.isnan(r.ttft_answer_p50_ms):
+                row["ttft_ours_ft_answer-plain_ms"] = r.ttft_answer_p50_ms - plain.ttft_p50_ms
         rows.append(row)
     return rows
 
@@ -258,8 +260,8 @@ def markdown(res: dict[str, Any]) -> str:
             "### Paired against one plain vLLM in the same arrival stream (`single_paired`)",
             "",
             "| prompt | out | rate /s | plain TTFT p50 ms | TTFT − plain: ours / ours_ft / ours_grpc ms | "
-            "TPOT / plain | TPOT from 2nd / plain |",
-            "|---:|---:|---:|---:|---|---|---|",
+            "ours_ft by the prefill leg's answer − plain ms | TPOT / plain | TPOT from 2nd / plain |",
+            "|---:|---:|---:|---:|---|---:|---|---|",
         ]
         for d in res["paired"]:
             lines.append(
@@ -267,6 +269,8 @@ def markdown(res: dict[str, Any]) -> str:
                 + " / ".join(
                     f"{d[k]:+.1f}" if d.get(k) is not None else "–" for k in (f"ttft_{n}-plain_ms" for n in OURS)
                 )
+                + " | "
+                + (f"{d['ttft_ours_ft_answer-plain_ms']:+.1f}" if "ttft_ours_ft_answer-plain_ms" in d else "–")
                 + " | "
                 + " / ".join(_f(d.get(f"tpot_{n}/plain"), 3) for n in OURS)
                 + " | "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import os
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,9 @@ def test_ours_and_grpc_proxies_pass_the_output_length() -> None:
 
 
 def test_ours_ft_proxy_puts_prefills_token_first_and_times_the_gap_to_decodes() -> None:
+    """The first token is the scheduler's AwaitFirstToken answer (asked with the assignment's id
+    and epoch); the prefill leg's answer, with the same token, is timed beside it; a token that
+    differs fails the request."""
     from google.protobuf.struct_pb2 import Struct
 
     from kvpush.v1 import kvpush_pb2 as pb
@@ -295,6 +299,7 @@ def test_ours_ft_proxy_puts_prefills_token_first_and_times_the_gap_to_decodes() 
 
         async def once(self, url: str, prompt: list[int], max_tokens: int, params: Any, rid: str) -> Any:
             assert max_tokens == 1
+            await asyncio.sleep(0.01)  # the leg's answer comes after the scheduler's
             return {"choices": [{"token_ids": [7]}]}
 
         async def token_times(self, url: str, prompt: list[int], max_tokens: int, params: Any, rid: str) -> Any:
@@ -307,6 +312,7 @@ def test_ours_ft_proxy_puts_prefills_token_first_and_times_the_gap_to_decodes() 
             assert req.first_token_from_prefill
             return pb.Assignment(
                 transfer_id="t",
+                epoch=5,
                 first_token_from_prefill=True,
                 prefill=pb.InstanceInfo(http_endpoint="http://p"),
                 decode=pb.InstanceInfo(http_endpoint="http://d"),
@@ -314,15 +320,32 @@ def test_ours_ft_proxy_puts_prefills_token_first_and_times_the_gap_to_decodes() 
                 decode_kv_transfer_params=Struct(),
             )
 
+        async def AwaitFirstToken(self, req: Any, timeout: float) -> Any:
+            assert (req.transfer_id, req.epoch) == ("t", 5)
+            return pb.AwaitFirstTokenResponse(token_id=self.token, prefill_engine_id="p0")
+
         async def Release(self, req: Any, timeout: float) -> Any:
+            self.released.append(req.outcome)
             return pb.ReleaseResponse()
 
+        def __init__(self, token: int) -> None:
+            self.token = token
+            self.released: list[int] = []
+
     c = Client()
-    s = Sample(ok=False, sent=0.0)
-    asyncio.run(sv_proxies.ours_ft_proxy(c, Stub())([1, 2], 4, s))  # type: ignore[arg-type]
+    s = Sample(ok=False, sent=time.monotonic())
+    stub = Stub(7)
+    asyncio.run(sv_proxies.ours_ft_proxy(c, stub)([1, 2], 4, s))  # type: ignore[arg-type]
     assert c.decode_max_tokens == [3] and s.ok and s.tokens == 4
     assert s.gap2 > 1e6  # prefill's token (now) to decode's first (far later)
     assert s.tpot_rest == pytest.approx(1.0)  # decode's own tokens, 1 s apart
+    assert 0 <= s.ttft < s.ttft_answer  # the scheduler's answer came first here
+    assert stub.released == [pb.OUTCOME_OK]
+    other = Stub(8)  # the scheduler and the prefill leg disagree: the request fails, released as such
+    bad = Sample(ok=False, sent=time.monotonic())
+    with pytest.raises(RuntimeError, match="AwaitFirstToken gave 8"):
+        asyncio.run(sv_proxies.ours_ft_proxy(c, other)([1, 2], 4, bad))  # type: ignore[arg-type]
+    assert not bad.ok and other.released == [pb.OUTCOME_FAILED]
 
 
 # ----- the sweep and the flags ------------------------------------------------------------------------
@@ -534,6 +557,7 @@ def test_paired_rows_compare_our_setups_with_the_plain_vllm_of_the_same_stream()
         "single": [_result("single", lo, [0.010] * 10, tpot_s=0.001)],  # another launch: not a reference here
     }
     results["single_paired"][0].tpot_rest_p50_ms, results["ours_grpc"][0].tpot_rest_p50_ms = 4.0, 5.0
+    results["ours_ft"][0].ttft_answer_p50_ms = 37.0  # the prefill leg's answer, same requests
     rows = sv_report.paired(results)
     assert [(r["rate"], r["max_tokens"]) for r in rows] == [(0.5, 16), (1.5, 16)]
     low = rows[0]
@@ -541,6 +565,8 @@ def test_paired_rows_compare_our_setups_with_the_plain_vllm_of_the_same_stream()
     assert low["ttft_ours_ft-plain_ms"] == pytest.approx(3.5)
     assert low["ttft_ours_grpc-plain_ms"] == pytest.approx(-1.0)
     assert low["tpot_ours_ft/plain"] == pytest.approx(1.05)
+    assert low["ttft_ours_ft_answer-plain_ms"] == pytest.approx(7.0)
+    assert "ttft_ours_ft_answer-plain_ms" not in rows[1]  # not measured there
     assert low["tpot2_ours_grpc/plain"] == pytest.approx(1.25)
     assert "ttft_ours-plain_ms" not in low  # ours did not run
     assert "ttft_ours_grpc-plain_ms" not in rows[1]
@@ -548,7 +574,7 @@ def test_paired_rows_compare_our_setups_with_the_plain_vllm_of_the_same_stream()
     res["paired"] = sv._jsonable(rows)
     md = sv_report.markdown(res)
     line = next(x for x in md.splitlines() if x.startswith("| 1024 | 16 | 0.5 | 30.0 |"))
-    assert "– / +3.5 / -1.0" in line and "– / 1.050 / 1.250" in line and line.endswith("| – / – / 1.250 |")
+    assert "– / +3.5 / -1.0 | +7.0 |" in line and "– / 1.050 / 1.250" in line and line.endswith("| – / – / 1.250 |")
     assert "### Paired against one plain vLLM" in md
     assert "### Paired against" not in sv_report.markdown(_res(_sweep(), None))  # no single_paired: no section
 

@@ -116,6 +116,40 @@ def test_seeded_sampling_equals_single_instance(cluster: PDCluster, temperature:
     assert len(outputs) > 1
 
 
+def test_an_assign_frontend_takes_the_first_token_from_the_scheduler(cluster: PDCluster) -> None:
+    """A custom frontend's recipe (docs/first_token.md): ``Assign`` with the hand-off, both legs at
+    once, and ``AwaitFirstToken`` for the first token. The scheduler answers with the token
+    prefill sampled (the prefill leg's own answer says the same), decode continues from it, and
+    the whole output is one instance's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from google.protobuf.json_format import MessageToDict
+
+    from kvpush.services.common.vllm_server import complete
+    from kvpush.v1 import kvpush_pb2 as pb
+
+    assert cluster.baseline is not None
+    prompt = _random_prompt(random.Random(2026), 1000)
+    want = _tokens(_complete(cluster.baseline, prompt, MAX_TOKENS))
+    a = cluster.stub.Assign(
+        pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=MAX_TOKENS, first_token_from_prefill=True), timeout=10
+    )
+    assert a.first_token_from_prefill
+    waiting = cluster.stub.AwaitFirstToken.future(
+        pb.AwaitFirstTokenRequest(transfer_id=a.transfer_id, epoch=a.epoch), timeout=60
+    )
+    with ThreadPoolExecutor(1) as pool:
+        decode_params = MessageToDict(a.decode_kv_transfer_params)
+        rest = pool.submit(lambda: complete(a.decode.http_endpoint, prompt, MAX_TOKENS - 1, decode_params, timeout=60))
+        answered, _ = complete(a.prefill.http_endpoint, prompt, 1, MessageToDict(a.prefill_kv_transfer_params))
+        decoded = rest.result(timeout=60)[0]
+    first = waiting.result(timeout=60)
+    cluster.stub.Release(pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK), timeout=10)
+    assert (first.prefill_engine_id, first.stopped) == (a.prefill.engine_id, False)
+    assert [first.token_id] == answered
+    assert [first.token_id, *decoded] == want
+
+
 def test_a_duplicate_handoff_decode_leg_fails_and_never_repeats_the_first_token(cluster: PDCluster) -> None:
     """The same hand-off decode leg sent twice (a frontend's retry, a replay) while the first is
     live: one of the two fails at once (its load is reported failed) instead of being computed

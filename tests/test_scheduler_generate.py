@@ -685,6 +685,36 @@ def test_assign_grants_the_handoff_only_when_asked_and_offered() -> None:
     run(body())
 
 
+def test_generate_streams_no_token_from_a_prefill_that_is_not_its_transfers() -> None:
+    """Another registered prefill engine reports a token for a Generate call's transfer (a buggy
+    or hostile one that learned its id): the call does not stream it; it streams the token of the
+    prefill its leg went to."""
+
+    async def body() -> None:
+        d = FakeVllm("decode", tokens=[12, 13, 14])
+        async with cluster(decode=d, handoff=True, interval_s=1.0) as (server, stub, p, _, insts):
+            pinst, dinst = insts
+            call = stub.Generate(_req(max_tokens=4), timeout=WAIT_S)
+            msgs = aiter(call)
+            first = asyncio.ensure_future(anext(msgs))
+            await asyncio.wait_for(p.received.wait(), WAIT_S)
+            leg = transfer_params.parse(p.requests[-1]["kv_transfer_params"])
+            assert isinstance(leg, transfer_params.PrefillLeg)
+            other = await FakeInstance(stub, info("p1", pb.ROLE_PREFILL)).start()
+            forged = pb.FirstToken(transfer_id=leg.transfer_id, decode_engine_id="d0", token_id=99)
+            await stub.ReportFirstTokens(
+                pb.FirstTokenReport(engine_id="p1", incarnation="inc1", first_tokens=[forged]), timeout=WAIT_S
+            )
+            await asyncio.wait_for(dinst.got_first_token.wait(), WAIT_S)  # relayed, so handled
+            assert not first.done()
+            await _relay_first_token(p, pinst, 11)
+            assert list((await asyncio.wait_for(first, WAIT_S)).token_ids) == [11]
+            assert [t for m in [m async for m in msgs] for t in m.token_ids] == [12, 13, 14]
+            await other.close()
+
+    run(body())
+
+
 def test_first_tokens_from_a_decode_engine_are_not_relayed() -> None:
     """Only a prefill engine's load stream may report first tokens, and the relayed token names the
     stream's own engine, whatever the report says."""

@@ -120,7 +120,7 @@ def _spray(address: str) -> None:
 
 def test_policies_and_decisions() -> None:
     """Every method of every service has a rule; the rule table says who may call what."""
-    assert len(SCHEDULER_POLICY) == 11 and len(PREFILL_AGENT_POLICY) == 1 and len(DECODE_RANK_POLICY) == 3
+    assert len(SCHEDULER_POLICY) == 12 and len(PREFILL_AGENT_POLICY) == 1 and len(DECODE_RANK_POLICY) == 3
     register = SCHEDULER_POLICY["/kvpush.v1.Scheduler/Register"]
     assign = SCHEDULER_POLICY["/kvpush.v1.Scheduler/Assign"]
     assign_stream = SCHEDULER_POLICY["/kvpush.v1.Scheduler/AssignStream"]
@@ -138,6 +138,10 @@ def test_policies_and_decisions() -> None:
     first_tokens = SCHEDULER_POLICY["/kvpush.v1.Scheduler/ReportFirstTokens"]
     assert decide(first_tokens, p0, "") is None
     assert decide(first_tokens, d0, "")[0] is DENIED and decide(first_tokens, fe, "")[0] is DENIED  # type: ignore[index]
+    # A transfer's first token is the frontend's (the request's output), not an engine's to read.
+    await_token = SCHEDULER_POLICY["/kvpush.v1.Scheduler/AwaitFirstToken"]
+    assert decide(await_token, fe, "") is None
+    assert decide(await_token, d0, "")[0] is DENIED and decide(await_token, p0, "")[0] is DENIED  # type: ignore[index]
     # Only a frontend reports an undelivered leg: an engine could otherwise fail others' transfers.
     assert decide(leg_failure, fe, "") is None
     assert decide(leg_failure, d0, "")[0] is DENIED and decide(leg_failure, p0, "")[0] is DENIED  # type: ignore[index]

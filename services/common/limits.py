@@ -60,6 +60,7 @@ MAX_PROMPT_TOKENS = 1 << 22  # Assign.prompt_tokens, Generate.prompt_token_ids
 MAX_MAX_TOKENS = 1 << 20  # Assign.max_tokens, Generate.max_tokens
 MAX_WATCH_SUBSCRIBERS = 256  # Watch streams open at once
 MAX_CONCURRENT_GENERATE = 4096  # Generate calls in flight at once
+MAX_FIRST_TOKEN_AWAITS = 4096  # AwaitFirstToken calls waiting at once
 MAX_INSTANCES = 4096  # registered instances (a Register of a new engine id past it is refused)
 # AssignStreamRequest.assigns and .releases: one batch's answer (an Assignment is about 1.5 KB with
 # TP-2 instances, its legs' proofs included) stays far below MAX_MESSAGE_BYTES.

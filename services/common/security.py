@@ -277,6 +277,7 @@ SCHEDULER_POLICY = _policy(
         "AssignStream": _rule(FRONTEND),
         "Reroute": _rule(DECODE),
         "ReportLegFailure": _rule(FRONTEND),
+        "AwaitFirstToken": _rule(FRONTEND),
         "Generate": _rule(FRONTEND),
     },
 )

@@ -21,8 +21,7 @@ import aiohttp
 
 from kvpush.services.common.logs import get_logger
 from kvpush.services.scheduler.convert import LegSealer, leg_params
-from kvpush.services.scheduler.model import AssignmentRecord
-from kvpush.v1 import kvpush_pb2 as pb
+from kvpush.services.scheduler.model import AssignmentRecord, SampledToken
 
 log = get_logger("scheduler")
 
@@ -304,7 +303,7 @@ async def run_legs(
     lost: asyncio.Future[str],
     signer: LegSealer | None = None,
     on_prefill_failed: Callable[[str, str], object] | None = None,
-    first_token: asyncio.Future[pb.FirstToken] | None = None,
+    first_token: asyncio.Future[SampledToken] | None = None,
     lost_stall_s: float = 0.0,
     first_token_after_decode_s: float = FIRST_TOKEN_AFTER_DECODE_S,
 ) -> AsyncIterator[Chunk]:
@@ -357,7 +356,7 @@ async def run_legs(
         if not f.cancelled():
             q.put_nowait(("lost", f.result()))
 
-    def on_first_token(f: asyncio.Future[pb.FirstToken]) -> None:
+    def on_first_token(f: asyncio.Future[SampledToken]) -> None:
         if not f.cancelled():
             q.put_nowait(("first", f.result()))
 

@@ -18,7 +18,7 @@ from kvpush.services.common.security import claim_problem, peer_identity
 from kvpush.services.scheduler import convert
 from kvpush.services.scheduler.errors import InvalidArgument, NoCapacity, SchedulerError
 from kvpush.services.scheduler.generate import AssignmentLost, GenerateParams, LegError, run_legs
-from kvpush.services.scheduler.model import AssignmentRecord, Demand, Outcome, State
+from kvpush.services.scheduler.model import AssignmentRecord, Demand, Outcome, SampledToken, State
 from kvpush.services.scheduler.servicer_core import ServicerCore
 from kvpush.v1 import kvpush_pb2 as pb
 
@@ -156,9 +156,9 @@ class GenerateRpcs(ServicerCore):
         )
         lost: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._lost[rec.transfer_id] = lost
-        first_token: asyncio.Future[pb.FirstToken] | None = None
+        first_token: asyncio.Future[SampledToken] | None = None
         if rec.first_token:
-            first_token = self._first_tokens.wait_for(rec.transfer_id)
+            first_token = self._first_tokens.wait_for(rec)
         outcome, reason, tokens = Outcome.FAILED, "", 0
         status: tuple[grpc.StatusCode, str] | None = None
         first = True
@@ -215,7 +215,8 @@ class GenerateRpcs(ServicerCore):
             status = (grpc.StatusCode.UNAVAILABLE, f"assignment lost: {reason}")
         finally:
             self._lost.pop(rec.transfer_id, None)
-            self._first_tokens.forget(rec.transfer_id)
+            if first_token is not None:
+                self._first_tokens.forget(rec.transfer_id, first_token)
             self.metrics.generate.labels(outcome.value).inc()
             if rec.state is State.OPEN:
                 self.registry.release(rec.transfer_id, rec.epoch, outcome, reason)

@@ -86,6 +86,13 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.first_token_awaits = Counter(
+            "kvpush_scheduler_first_token_awaits_total",
+            "AwaitFirstToken calls by how they ended: answered, closed (the assignment closed first), "
+            "cancelled (the caller left), refused",
+            ["result"],
+            registry=r,
+        )
         self.generate = Counter("kvpush_scheduler_generate_total", "Generate calls by result", ["result"], registry=r)
         self.ttft = Histogram(
             "kvpush_scheduler_generate_ttft_seconds",

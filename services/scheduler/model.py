@@ -198,6 +198,15 @@ class Instance:
             self.drop_pending(t)
 
 
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """A hand-off transfer's first token as one of its prefill engines reported it."""
+
+    token_id: int
+    stopped: bool
+    prefill_engine_id: str
+
+
 # slots and frozensets: one GC-tracked object per open record instead of three. Closed records are
 # not kept (see ClosedHistory), so the collector walks open assignments only.
 @dataclass(slots=True)
@@ -219,6 +228,8 @@ class AssignmentRecord:
     earlier_epochs: frozenset[int] = frozenset()  # before reroutes; Release may name them
     # First-token hand-off granted: both legs say so, and the frontend streams prefill's token.
     first_token: bool = False
+    # That token, once one of the assignment's prefill engines reported it (the first one wins).
+    sampled: SampledToken | None = None
 
 
 @dataclass(frozen=True, slots=True)

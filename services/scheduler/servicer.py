@@ -1,7 +1,8 @@
 """kvpush.v1.Scheduler over grpc.aio: a thin adapter around the pure Registry. The registry RPCs
 (Register, ReportLoad, ListInstances, Watch) and the frontend's Assign, Release, AssignStream and
-ReportLegFailure are here; Generate and Reroute in ``generate_rpcs``; the shared state, admission
-and statuses in ``servicer_core``."""
+ReportLegFailure are here; Generate and Reroute in ``generate_rpcs``; ReportFirstTokens and
+AwaitFirstToken in ``first_token_rpcs``; the shared state, admission and statuses in
+``servicer_core``."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from kvpush.services.common.leg_macs import LegMacer
 from kvpush.services.common.security import ROLE_NAMES, claim_problem, peer_identity
 from kvpush.services.scheduler import convert
 from kvpush.services.scheduler.errors import InvalidArgument, NoCapacity, SchedulerError
+from kvpush.services.scheduler.first_token_rpcs import FirstTokenRpcs
 from kvpush.services.scheduler.generate_rpcs import GenerateRpcs
 from kvpush.services.scheduler.load_stream_push import Pushed, ack_of
 from kvpush.services.scheduler.model import (
@@ -25,7 +27,6 @@ from kvpush.services.scheduler.model import (
     Event,
     EventKind,
     Outcome,
-    Role,
     State,
 )
 from kvpush.services.scheduler.servicer_core import ServicerConfig, ShuttingDown, Subscriber
@@ -47,8 +48,9 @@ def _assign_out_of_bounds(request: pb.AssignRequest) -> str | None:
     return None
 
 
-class SchedulerServicer(GenerateRpcs, pb_grpc.SchedulerServicer):
-    """kvpush.v1.Scheduler: every RPC (``GenerateRpcs`` brings Generate and Reroute)."""
+class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer):
+    """kvpush.v1.Scheduler: every RPC (``GenerateRpcs`` brings Generate and Reroute,
+    ``FirstTokenRpcs`` ReportFirstTokens and AwaitFirstToken)."""
 
     # ---------------------------------------------------------------- registry RPCs
 
@@ -163,33 +165,6 @@ class SchedulerServicer(GenerateRpcs, pb_grpc.SchedulerServicer):
             if ident is not None and not self.shutting_down:
                 self.registry.stream_closed(ident[0], ident[1], clean)
 
-    async def ReportFirstTokens(  # noqa: N802
-        self, request: pb.FirstTokenReport, context: grpc.aio.ServicerContext
-    ) -> pb.FirstTokenAck:
-        """First tokens straight from a prefill engine's thread (the load stream's first_tokens
-        without its wake-ups); relayed exactly as those are."""
-        not_peer = claim_problem(peer_identity(context), request.engine_id, "prefill")
-        if not_peer is not None:
-            self.log.warning(
-                "first_tokens_refused", engine_id=request.engine_id[: limits.MAX_ID_CHARS], reason=not_peer
-            )
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, not_peer)
-        if max(len(request.engine_id), len(request.incarnation)) > limits.MAX_ID_CHARS:
-            await self._refuse(
-                context, "ReportFirstTokens", grpc.StatusCode.INVALID_ARGUMENT, "engine id or incarnation too long"
-            )
-        inst = self.registry.instances.get(request.engine_id)
-        if inst is None or inst.spec.incarnation != request.incarnation:
-            await self._refuse(
-                context, "ReportFirstTokens", grpc.StatusCode.FAILED_PRECONDITION, "not a registered incarnation"
-            )
-        if inst.spec.role is not Role.PREFILL:
-            await self._refuse(context, "ReportFirstTokens", grpc.StatusCode.PERMISSION_DENIED, "not a prefill engine")
-        problem = self._first_tokens.relay(request)
-        if problem is not None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        return pb.FirstTokenAck()
-
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListInstancesResponse:
@@ -280,6 +255,8 @@ class SchedulerServicer(GenerateRpcs, pb_grpc.SchedulerServicer):
             raise InvalidArgument(f"transfer_id longer than {limits.MAX_ID_CHARS} characters")
         outcome = convert.outcome_from_pb(request.outcome)
         rec = self.registry.release(request.transfer_id, request.epoch, outcome, limits.clip(request.reason))
+        if rec.transfer_id in self._first_tokens.waiters and isinstance(rec, AssignmentRecord):
+            self._first_tokens.closed(rec)
         if counts is None:
             self._count_releases({outcome: 1})
         else:

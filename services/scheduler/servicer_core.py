@@ -1,7 +1,8 @@
 """The scheduler servicer's shared core: its state, admission (queueing for capacity within the
 caller's deadline), shutdown, error statuses, decision and release counters, and telling an
 instance that the other leg of its assignment was not delivered. The RPCs build on it:
-``generate_rpcs`` (Generate, Reroute) and ``servicer`` (everything else)."""
+``generate_rpcs`` (Generate, Reroute), ``first_token_rpcs`` (ReportFirstTokens, AwaitFirstToken)
+and ``servicer`` (everything else)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from kvpush.services.common import limits
 from kvpush.services.common.logs import get_logger
 from kvpush.services.scheduler import convert
 from kvpush.services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound, SchedulerError
+from kvpush.services.scheduler.first_tokens import FirstTokenRelay
 from kvpush.services.scheduler.generate import OpenAIClient
-from kvpush.services.scheduler.load_stream_push import FirstTokenRelay, Outboxes
+from kvpush.services.scheduler.load_stream_push import Outboxes
 from kvpush.services.scheduler.metrics import Metrics
 from kvpush.services.scheduler.model import (
     AssignmentRecord,
@@ -52,6 +54,7 @@ class ServicerConfig:
     watch_queue: int = 4096  # events buffered per Watch subscriber before it is cut off
     max_watch_subscribers: int = limits.MAX_WATCH_SUBSCRIBERS  # Watch streams at once
     max_generate: int = limits.MAX_CONCURRENT_GENERATE  # Generate calls in flight at once
+    max_first_token_awaits: int = limits.MAX_FIRST_TOKEN_AWAITS  # AwaitFirstToken calls waiting at once
     max_instances: int = limits.MAX_INSTANCES  # registered instances
     max_reroutes: int = 2  # prefill engines one transfer is tried on (Reroute), the first included
     # Generate, once decode streams: an assignment lost under it (decode's lease ran out) ends the
@@ -125,6 +128,7 @@ class ServicerCore:
         self._queued = 0
         self._inflight = 0
         self._generating = 0
+        self._awaiting_first_token = 0
         self._idle = asyncio.Event()
         self._idle.set()
         self._subscribers: set[Subscriber] = set()
@@ -134,7 +138,7 @@ class ServicerCore:
         self._prefill_legs: set[asyncio.Task[None]] = set()  # prefill legs sent by Reroute
         # Per instance with a load stream: leg failures and first tokens to push down it.
         self._outboxes = Outboxes()
-        # First tokens from prefill to decode and to Generate calls (first-token hand-off).
+        # First tokens from prefill to decode, to Generate calls and to AwaitFirstToken (hand-off).
         self._first_tokens = FirstTokenRelay(registry, self._outboxes, metrics)
         registry.event_listeners.append(self._on_event)
         registry.closed_listeners.append(self._on_closed)
@@ -168,6 +172,7 @@ class ServicerCore:
         fut = self._lost.get(rec.transfer_id)
         if fut is not None and not fut.done():
             fut.set_result(rec.reason)
+        self._first_tokens.closed(rec)
 
     async def _abort(self, context: grpc.aio.ServicerContext, exc: SchedulerError) -> NoReturn:
         if isinstance(exc, ShuttingDown):
@@ -193,9 +198,11 @@ class ServicerCore:
             self._idle.set()
 
     def begin_shutdown(self) -> None:
-        """New Assign/Generate calls get UNAVAILABLE; queued ones wake and fail; Watch streams end."""
+        """New Assign/Generate calls get UNAVAILABLE; queued ones wake and fail; Watch streams and
+        AwaitFirstToken calls end."""
         self.shutting_down = True
         self._changed.notify()
+        self._first_tokens.close_all()
         for sub in self._subscribers:
             sub.put(None)
 

@@ -1199,6 +1199,56 @@ class FirstTokenAck(_message.Message):
 Global___FirstTokenAck: _TypeAlias = FirstTokenAck  # noqa: Y015
 
 @_typing.final
+class AwaitFirstTokenRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    epoch: _builtins.int
+    """the assignment's epoch (an earlier one of the same assignment after a reroute too)"""
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AwaitFirstTokenRequest: _TypeAlias = AwaitFirstTokenRequest  # noqa: Y015
+
+@_typing.final
+class AwaitFirstTokenResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_ID_FIELD_NUMBER: _builtins.int
+    STOPPED_FIELD_NUMBER: _builtins.int
+    PREFILL_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    token_id: _builtins.int
+    stopped: _builtins.bool
+    """the token ended the request (EOS): abort the decode leg"""
+    prefill_engine_id: _builtins.str
+    """the prefill engine that sampled it"""
+    def __init__(
+        self,
+        *,
+        token_id: _builtins.int = ...,
+        stopped: _builtins.bool = ...,
+        prefill_engine_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefill_engine_id", b"prefill_engine_id", "stopped", b"stopped", "token_id", b"token_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AwaitFirstTokenResponse: _TypeAlias = AwaitFirstTokenResponse  # noqa: Y015
+
+@_typing.final
 class LoadAck(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -340,6 +340,11 @@ class SchedulerStub:
                 request_serializer=kvpush_dot_v1_dot_kvpush__pb2.LegFailure.SerializeToString,
                 response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.LegFailureAck.FromString,
                 _registered_method=True)
+        self.AwaitFirstToken = channel.unary_unary(
+                '/kvpush.v1.Scheduler/AwaitFirstToken',
+                request_serializer=kvpush_dot_v1_dot_kvpush__pb2.AwaitFirstTokenRequest.SerializeToString,
+                response_deserializer=kvpush_dot_v1_dot_kvpush__pb2.AwaitFirstTokenResponse.FromString,
+                _registered_method=True)
         self.Generate = channel.unary_stream(
                 '/kvpush.v1.Scheduler/Generate',
                 request_serializer=kvpush_dot_v1_dot_kvpush__pb2.GenerateRequest.SerializeToString,
@@ -434,6 +439,19 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AwaitFirstToken(self, request, context):
+        """The first token of an open assignment granted the first-token hand-off
+        (Assignment.first_token_from_prefill), answered the moment prefill's engine reports it (at
+        once when it already has): a frontend streams it as the request's first token instead of
+        waiting for the prefill leg's HTTP answer, and gets it from a rerouted prefill too. Errors:
+        NOT_FOUND (no such open assignment), FAILED_PRECONDITION (a stale epoch, no hand-off granted,
+        a Generate's assignment), ABORTED (the assignment closed before a token came),
+        RESOURCE_EXHAUSTED (too many calls waiting). Frontend identities only.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Generate(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -494,6 +512,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.ReportLegFailure,
                     request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.LegFailure.FromString,
                     response_serializer=kvpush_dot_v1_dot_kvpush__pb2.LegFailureAck.SerializeToString,
+            ),
+            'AwaitFirstToken': grpc.unary_unary_rpc_method_handler(
+                    servicer.AwaitFirstToken,
+                    request_deserializer=kvpush_dot_v1_dot_kvpush__pb2.AwaitFirstTokenRequest.FromString,
+                    response_serializer=kvpush_dot_v1_dot_kvpush__pb2.AwaitFirstTokenResponse.SerializeToString,
             ),
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
@@ -731,6 +754,33 @@ class Scheduler:
             '/kvpush.v1.Scheduler/ReportLegFailure',
             kvpush_dot_v1_dot_kvpush__pb2.LegFailure.SerializeToString,
             kvpush_dot_v1_dot_kvpush__pb2.LegFailureAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AwaitFirstToken(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpush.v1.Scheduler/AwaitFirstToken',
+            kvpush_dot_v1_dot_kvpush__pb2.AwaitFirstTokenRequest.SerializeToString,
+            kvpush_dot_v1_dot_kvpush__pb2.AwaitFirstTokenResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -206,6 +206,15 @@ class SchedulerStub:
     computed (or will compute) for the transfer instead of holding it for its lease. Generate does
     this itself. Frontend identities only.
     """
+    AwaitFirstToken: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.AwaitFirstTokenRequest, _kvpush_pb2.AwaitFirstTokenResponse]
+    """The first token of an open assignment granted the first-token hand-off
+    (Assignment.first_token_from_prefill), answered the moment prefill's engine reports it (at
+    once when it already has): a frontend streams it as the request's first token instead of
+    waiting for the prefill leg's HTTP answer, and gets it from a rerouted prefill too. Errors:
+    NOT_FOUND (no such open assignment), FAILED_PRECONDITION (a stale epoch, no hand-off granted,
+    a Generate's assignment), ABORTED (the assignment closed before a token came),
+    RESOURCE_EXHAUSTED (too many calls waiting). Frontend identities only.
+    """
     Generate: _grpc.UnaryStreamMultiCallable[_kvpush_pb2.GenerateRequest, _kvpush_pb2.GenerateResponse]
     ListInstances: _grpc.UnaryUnaryMultiCallable[_kvpush_pb2.ListInstancesRequest, _kvpush_pb2.ListInstancesResponse]
     Watch: _grpc.UnaryStreamMultiCallable[_kvpush_pb2.WatchRequest, _kvpush_pb2.InstanceEvent]
@@ -252,6 +261,15 @@ class SchedulerAsyncStub(SchedulerStub):
     for the reservation lease. The decode leg: it tells the prefill engine, which frees the KV it
     computed (or will compute) for the transfer instead of holding it for its lease. Generate does
     this itself. Frontend identities only.
+    """
+    AwaitFirstToken: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.AwaitFirstTokenRequest, _kvpush_pb2.AwaitFirstTokenResponse]  # type: ignore[assignment]
+    """The first token of an open assignment granted the first-token hand-off
+    (Assignment.first_token_from_prefill), answered the moment prefill's engine reports it (at
+    once when it already has): a frontend streams it as the request's first token instead of
+    waiting for the prefill leg's HTTP answer, and gets it from a rerouted prefill too. Errors:
+    NOT_FOUND (no such open assignment), FAILED_PRECONDITION (a stale epoch, no hand-off granted,
+    a Generate's assignment), ABORTED (the assignment closed before a token came),
+    RESOURCE_EXHAUSTED (too many calls waiting). Frontend identities only.
     """
     Generate: _aio.UnaryStreamMultiCallable[_kvpush_pb2.GenerateRequest, _kvpush_pb2.GenerateResponse]  # type: ignore[assignment]
     ListInstances: _aio.UnaryUnaryMultiCallable[_kvpush_pb2.ListInstancesRequest, _kvpush_pb2.ListInstancesResponse]  # type: ignore[assignment]
@@ -344,6 +362,21 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         for the reservation lease. The decode leg: it tells the prefill engine, which frees the KV it
         computed (or will compute) for the transfer instead of holding it for its lease. Generate does
         this itself. Frontend identities only.
+        """
+
+    @_abc_1.abstractmethod
+    def AwaitFirstToken(
+        self,
+        request: _kvpush_pb2.AwaitFirstTokenRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_kvpush_pb2.AwaitFirstTokenResponse, _abc.Awaitable[_kvpush_pb2.AwaitFirstTokenResponse]]:
+        """The first token of an open assignment granted the first-token hand-off
+        (Assignment.first_token_from_prefill), answered the moment prefill's engine reports it (at
+        once when it already has): a frontend streams it as the request's first token instead of
+        waiting for the prefill leg's HTTP answer, and gets it from a rerouted prefill too. Errors:
+        NOT_FOUND (no such open assignment), FAILED_PRECONDITION (a stale epoch, no hand-off granted,
+        a Generate's assignment), ABORTED (the assignment closed before a token came),
+        RESOURCE_EXHAUSTED (too many calls waiting). Frontend identities only.
         """
 
     @_abc_1.abstractmethod

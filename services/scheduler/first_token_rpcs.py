@@ -1,0 +1,98 @@
+"""Scheduler.ReportFirstTokens (a prefill engine's first tokens, straight from the thread that
+sampled them) and Scheduler.AwaitFirstToken (a frontend's wait for one): the first-token hand-off's
+RPCs (docs/first_token.md); the bookkeeping is ``first_tokens.FirstTokenRelay``."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvpush.services.common import limits
+from kvpush.services.common.security import claim_problem, peer_identity
+from kvpush.services.scheduler.model import Role
+from kvpush.services.scheduler.servicer_core import ServicerCore
+from kvpush.v1 import kvpush_pb2 as pb
+
+
+class FirstTokenRpcs(ServicerCore):
+    """ReportFirstTokens and AwaitFirstToken, on the servicer's shared core."""
+
+    async def ReportFirstTokens(  # noqa: N802
+        self, request: pb.FirstTokenReport, context: grpc.aio.ServicerContext
+    ) -> pb.FirstTokenAck:
+        """First tokens straight from a prefill engine's thread (the load stream's first_tokens
+        without its wake-ups); relayed exactly as those are."""
+        not_peer = claim_problem(peer_identity(context), request.engine_id, "prefill")
+        if not_peer is not None:
+            self.log.warning(
+                "first_tokens_refused", engine_id=request.engine_id[: limits.MAX_ID_CHARS], reason=not_peer
+            )
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, not_peer)
+        if max(len(request.engine_id), len(request.incarnation)) > limits.MAX_ID_CHARS:
+            await self._refuse(
+                context, "ReportFirstTokens", grpc.StatusCode.INVALID_ARGUMENT, "engine id or incarnation too long"
+            )
+        inst = self.registry.instances.get(request.engine_id)
+        if inst is None or inst.spec.incarnation != request.incarnation:
+            await self._refuse(
+                context, "ReportFirstTokens", grpc.StatusCode.FAILED_PRECONDITION, "not a registered incarnation"
+            )
+        if inst.spec.role is not Role.PREFILL:
+            await self._refuse(context, "ReportFirstTokens", grpc.StatusCode.PERMISSION_DENIED, "not a prefill engine")
+        problem = self._first_tokens.relay(request)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        return pb.FirstTokenAck()
+
+    async def AwaitFirstToken(  # noqa: N802
+        self, request: pb.AwaitFirstTokenRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AwaitFirstTokenResponse:
+        """The first token of an open ``Assign`` hand-off assignment: at once when the scheduler has
+        it, else the moment one of the assignment's prefill engines reports it. The wait ends with
+        the caller's deadline or the assignment (which expires without a Release)."""
+        counted = self.metrics.first_token_awaits
+        if not request.transfer_id or len(request.transfer_id) > limits.MAX_ID_CHARS:
+            counted.labels("refused").inc()
+            await self._refuse(context, "AwaitFirstToken", grpc.StatusCode.INVALID_ARGUMENT, "missing or too long id")
+        rec = self.registry.open.get(request.transfer_id)
+        problem: tuple[grpc.StatusCode, str] | None = None
+        if rec is None:
+            problem = grpc.StatusCode.NOT_FOUND, "no open assignment for this transfer"
+        elif rec.epoch != request.epoch and request.epoch not in rec.earlier_epochs:
+            problem = grpc.StatusCode.FAILED_PRECONDITION, f"epoch {request.epoch} is not this assignment's"
+        elif rec.held:
+            problem = grpc.StatusCode.FAILED_PRECONDITION, "a Generate call's assignment: Generate streams its token"
+        elif not rec.first_token:
+            problem = grpc.StatusCode.FAILED_PRECONDITION, "the assignment was not granted the first-token hand-off"
+        elif rec.sampled is None and self._awaiting_first_token >= self.config.max_first_token_awaits:
+            problem = (
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.config.max_first_token_awaits} AwaitFirstToken calls are waiting already",
+            )
+        if problem is not None:
+            counted.labels("refused").inc()
+            await self._refuse(context, "AwaitFirstToken", *problem)
+        assert rec is not None
+        fut = self._first_tokens.wait_for(rec)
+        self._awaiting_first_token += 1
+        try:
+            await asyncio.wait({fut})
+        except asyncio.CancelledError:
+            counted.labels("cancelled").inc()
+            raise
+        finally:
+            self._awaiting_first_token -= 1
+            self._first_tokens.forget(rec.transfer_id, fut)
+        if fut.cancelled():
+            counted.labels("closed").inc()
+            if self.shutting_down:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down")
+            why = f"the assignment closed before its first token came: {rec.reason or rec.state.value}"
+            self.log.info("first_token_await_closed", transfer_id=rec.transfer_id, reason=rec.reason)
+            await context.abort(grpc.StatusCode.ABORTED, why)
+        token = fut.result()
+        counted.labels("answered").inc()
+        return pb.AwaitFirstTokenResponse(
+            token_id=token.token_id, stopped=token.stopped, prefill_engine_id=token.prefill_engine_id
+        )
