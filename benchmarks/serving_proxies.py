@@ -302,11 +302,15 @@ def ours_ft_proxy(c: Client, stub: Any) -> Proxy:
         try:
             if not a.first_token_from_prefill:
                 raise RuntimeError("the scheduler did not grant the first-token hand-off")
-            tasks = [asyncio.create_task(awaited()), asyncio.create_task(prefill())]
+            # The prefill leg goes on the wire first (the first token is its), then the wait for
+            # the token, then the decode leg: tasks run in the order they were created.
+            tasks = [asyncio.create_task(prefill()), asyncio.create_task(awaited())]
+            params = MessageToDict(a.decode_kv_transfer_params)
+            decode = asyncio.create_task(c.token_times(a.decode.http_endpoint, prompt, max_tokens - 1, params, rid))
+            tasks.append(decode)
             try:
-                params = MessageToDict(a.decode_kv_transfer_params)
-                decoded = await c.token_times(a.decode.http_endpoint, prompt, max_tokens - 1, params, rid)
                 await asyncio.gather(*tasks)
+                decoded = decode.result()
             finally:
                 for task in tasks:
                     task.cancel()
