@@ -1349,8 +1349,9 @@ class AssignRequest(_message.Message):
     """decode output budget, for the KV projection"""
     first_token_from_prefill: _builtins.bool
     """Ask for the first-token hand-off: granted (Assignment.first_token_from_prefill) only when the
-    chosen decode supports it. Then the prefill leg's token is the request's first output token,
-    and the decode leg must be sent with max_tokens - 1 (docs/first_token.md).
+    chosen decode supports it. Then the prefill leg's token is the request's first output token
+    (AwaitFirstToken answers it), and the decode leg must be sent with max_tokens - 1
+    (docs/first_token.md).
     """
     def __init__(
         self,
