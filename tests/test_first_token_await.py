@@ -235,3 +235,58 @@ def test_only_a_frontend_may_await_a_first_token(dev_certs: Path) -> None:
                     await c.close()
 
     run(body())
+
+
+# ----- the relay's bookkeeping, without gRPC -------------------------------------------------------
+
+
+def _relay() -> Any:
+    from kvpush.services.scheduler.first_tokens import FirstTokenRelay
+    from kvpush.services.scheduler.load_stream_push import Outboxes
+    from kvpush.services.scheduler.metrics import Metrics
+    from kvpush.services.scheduler.model import InstanceSpec, Role
+    from kvpush.services.scheduler.registry import Registry
+
+    reg = Registry()
+    for engine, role in (("p0", Role.PREFILL), ("d0", Role.DECODE)):
+        reg.register(InstanceSpec(engine, role, "i", 1, ("127.0.0.1:1",), 100, 16, "", (), True))
+    return FirstTokenRelay(reg, Outboxes(), Metrics(reg))
+
+
+def _token_report(transfer_id: str, token: int, prefill: str = "p0") -> pb.FirstTokenReport:
+    ft = pb.FirstToken(transfer_id=transfer_id, decode_engine_id="d0", token_id=token)
+    return pb.FirstTokenReport(engine_id=prefill, incarnation="i", first_tokens=[ft])
+
+
+def test_a_generate_wait_outlives_its_closed_assignment_and_a_replaced_ones_does_not() -> None:
+    """A Generate call's future (its record is held) is neither cancelled by the record's closing
+    nor at shutdown: the call still takes a token that comes after (its decode may stream on). A
+    frontend's wait on an assignment that a new one of the same transfer id replaced ends when the
+    new one gets its token; the new one's own wait gets it."""
+    from kvpush.services.scheduler.model import Demand, Outcome
+
+    async def body() -> None:
+        relay = _relay()
+        reg = relay.registry
+        rec = reg.assign(Demand(10, 4), "g1")
+        rec.held, rec.first_token = True, True
+        held = relay.wait_for(rec)
+        reg.release("g1", rec.epoch, Outcome.FAILED, "decode lease ran out")
+        relay.closed(rec)
+        relay.close_all()
+        assert not held.done()
+        assert relay.relay(_token_report("g1", 5)) is None
+        assert held.result().token_id == 5 and not relay.waiters
+
+        old = reg.assign(Demand(10, 4), "t1")
+        old.first_token = True
+        stale = relay.wait_for(old)
+        new = reg.assign(Demand(10, 4), "t1")  # the same transfer id again: ``old`` is replaced
+        new.first_token = True
+        fresh = relay.wait_for(new)
+        relay.relay(_token_report("t1", 6))
+        assert stale.cancelled() and fresh.result().token_id == 6 and new.sampled is not None
+        assert old.sampled is None and not relay.waiters
+        assert relay.wait_for(new).result().token_id == 6  # kept: answered at once
+
+    asyncio.run(asyncio.wait_for(body(), WAIT_S))

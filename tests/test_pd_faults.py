@@ -234,6 +234,51 @@ def test_undelivered_prefill_leg_fails_over_at_once(cluster: PDCluster) -> None:
         assert _prefill_blocks_back(cluster, engine, free) == free, f"{engine} kept blocks"
 
 
+def test_an_assign_frontends_first_token_survives_an_undelivered_prefill_leg(cluster: PDCluster) -> None:
+    """The first-token hand-off through ``Assign`` (docs/first_token.md, custom frontends): the
+    frontend waits for the token with ``AwaitFirstToken``, sends the decode leg, cannot deliver the
+    prefill leg and says so. The transfer moves to the other prefill, whose token the scheduler
+    answers and decode continues from: the client gets one instance's tokens, no prefill answer
+    needed, nothing recomputed on decode."""
+    assert cluster.baseline is not None
+    assert all(p.running for p in cluster.prefills), "both prefills must be up"
+    prompt = prompt_of(N_TOKENS, seed=85)
+    want = complete(cluster.baseline.base_url, prompt, MAX_TOKENS)[0]
+    sources_before = prompt_sources(cluster.decode)
+    a = cluster.stub.Assign(
+        pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=MAX_TOKENS, first_token_from_prefill=True), timeout=10
+    )
+    assert a.first_token_from_prefill
+    first = cluster.stub.AwaitFirstToken.future(
+        pb.AwaitFirstTokenRequest(transfer_id=a.transfer_id, epoch=a.epoch), timeout=60
+    )
+    leg = json_format.MessageToDict(a.decode_kv_transfer_params)
+    out: dict[str, list[int] | Exception] = {}
+
+    def decode_leg() -> None:
+        try:
+            out["tokens"] = complete(cluster.decode.base_url, prompt, MAX_TOKENS - 1, leg, timeout=60)[0]
+        except Exception as exc:  # reported below
+            out["tokens"] = exc
+
+    t = threading.Thread(target=decode_leg)
+    t.start()
+    ack = cluster.stub.ReportLegFailure(
+        pb.LegFailure(transfer_id=a.transfer_id, prefill_engine_id=a.prefill.engine_id, reason="test: refused"),
+        timeout=10,
+    )
+    assert ack.delivered
+    token = first.result(timeout=60)
+    t.join(60)
+    assert not t.is_alive(), "the decode leg hung"
+    assert token.prefill_engine_id not in ("", a.prefill.engine_id)  # the other prefill sampled it
+    assert isinstance(out["tokens"], list), out["tokens"]
+    assert [token.token_id, *out["tokens"]] == want
+    sources_after = prompt_sources(cluster.decode)
+    assert sources_after.get("local_compute", 0.0) - sources_before.get("local_compute", 0.0) == 0
+    cluster.stub.Release(pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK), timeout=10)
+
+
 def test_undelivered_decode_leg_frees_prefill_kv_at_once(cluster: PDCluster) -> None:
     """A custom frontend gets an assignment and delivers the prefill leg, but not the decode leg,
     and says so: the prefill engine frees the KV it holds for a reservation that will never come at

@@ -55,7 +55,7 @@ class FirstTokenRelay:
         if entries is None:
             return
         for owner, fut in list(entries):
-            if not owner.held and (owner is rec or owner.state is not State.OPEN):
+            if not owner.held and owner.state is not State.OPEN:  # rec itself, or one it replaced
                 fut.cancel()
                 self.forget(rec.transfer_id, fut)
 
@@ -103,12 +103,18 @@ class FirstTokenRelay:
         return None
 
     def _keep(self, ft: pb.FirstToken, prefill: str) -> None:
-        """Keeps the token on its open hand-off assignment, and on those the waiters hold, where
-        ``prefill`` is one of that assignment's prefill engines and no token came before; answers
-        the waiters whose assignment has it."""
+        """Keeps the token on its open hand-off assignment, and on the held (``Generate``) ones the
+        waiters hold, where ``prefill`` is one of that assignment's prefill engines and no token
+        came before; answers the waiters whose assignment has it. A frontend's wait on an
+        assignment that closed meanwhile (replaced by a new one of the same transfer id) ends."""
+        live: list[tuple[AssignmentRecord, asyncio.Future[SampledToken]]] = []
+        for owner, fut in self.waiters.pop(ft.transfer_id, []):
+            if owner.held or owner.state is State.OPEN:
+                live.append((owner, fut))
+            else:
+                fut.cancel()
+        owners = [owner for owner, _ in live]
         rec = self.registry.open.get(ft.transfer_id)
-        entries = self.waiters.get(ft.transfer_id, [])
-        owners = [owner for owner, _ in entries]
         if rec is not None and all(o is not rec for o in owners):  # identity: records compare by value
             owners.append(rec)
         for owner in owners:
@@ -123,8 +129,11 @@ class FirstTokenRelay:
                     prefill=prefill,
                     reason="not a prefill of this transfer",
                 )
-        for owner, fut in list(entries):
-            if owner.sampled is not None:
-                if not fut.done():
-                    fut.set_result(owner.sampled)
-                self.forget(ft.transfer_id, fut)
+        waiting = []
+        for owner, fut in live:
+            if owner.sampled is None:
+                waiting.append((owner, fut))
+            elif not fut.done():
+                fut.set_result(owner.sampled)
+        if waiting:
+            self.waiters[ft.transfer_id] = waiting
