@@ -51,6 +51,13 @@ def _await(stub: Any, a: pb.Assignment, epoch: int | None = None) -> Any:
     return stub.AwaitFirstToken(req, timeout=WAIT_S)
 
 
+async def _waiting(server: Any, stub: Any, a: pb.Assignment) -> asyncio.Future[Any]:
+    """An AwaitFirstToken call for ``a``, once the scheduler holds it waiting."""
+    call = asyncio.ensure_future(_await(stub, a))
+    await wait_for(lambda: server.servicer._awaiting_first_token == 1)
+    return call
+
+
 def _counted(server: Any, result: str) -> float:
     value = server.metrics.registry.get_sample_value("kvpush_scheduler_first_token_awaits_total", {"result": result})
     return value or 0.0
@@ -61,8 +68,7 @@ def test_the_frontend_gets_prefills_token_when_it_is_reported_and_at_once_after(
         async with scheduler(interval_s=1.0) as (server, stub, _):
             insts = await _engines(stub)
             a = await _assign(stub)
-            call = asyncio.ensure_future(_await(stub, a))
-            await wait_for(lambda: server.servicer._awaiting_first_token == 1)
+            call = await _waiting(server, stub, a)
             assert not call.done()
             await _report(stub, "p0", a, 11)
             got = await asyncio.wait_for(call, WAIT_S)
@@ -91,8 +97,7 @@ def test_a_token_from_a_prefill_that_is_not_the_transfers_is_never_answered() ->
             insts = await _engines(stub, ("p0", "p1"))
             a = await _assign(stub)
             other = "p1" if a.prefill.engine_id == "p0" else "p0"
-            call = asyncio.ensure_future(_await(stub, a))
-            await wait_for(lambda: server.servicer._awaiting_first_token == 1)
+            call = await _waiting(server, stub, a)
             await _report(stub, other, a, 99)
             assert server.registry.open[a.transfer_id].sampled is None
             assert not call.done()
@@ -114,8 +119,7 @@ def test_a_rerouted_transfers_token_comes_from_its_new_prefill() -> None:
             insts = await _engines(stub, ("p0", "p1"))
             a = await _assign(stub)
             first = a.prefill.engine_id
-            call = asyncio.ensure_future(_await(stub, a))
-            await wait_for(lambda: server.servicer._awaiting_first_token == 1)
+            call = await _waiting(server, stub, a)
             moved = await stub.Reroute(
                 pb.RerouteRequest(
                     transfer_id=a.transfer_id,
@@ -155,8 +159,7 @@ def test_calls_that_cannot_be_answered_get_their_status_and_wait_for_nothing() -
             assert await _code(req(a.transfer_id, a.epoch + 1)) is precondition  # not its epoch
             assert await _code(_await(stub, plain)) is precondition  # no hand-off granted
             # The bound on waiting calls: the second waiter is refused, not queued.
-            call = asyncio.ensure_future(_await(stub, a))
-            await wait_for(lambda: server.servicer._awaiting_first_token == 1)
+            call = await _waiting(server, stub, a)
             assert await _code(_await(stub, a)) is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert _counted(server, "refused") == 6
             # The assignment closes while the call waits: ABORTED with the reason, nothing left behind.
@@ -175,8 +178,7 @@ def test_calls_that_cannot_be_answered_get_their_status_and_wait_for_nothing() -
             await wait_for(lambda: server.servicer._awaiting_first_token == 0)
             assert not server.servicer._first_tokens.waiters
             # The decode engine's death closes its assignment: the waiting call ends with it.
-            call = asyncio.ensure_future(_await(stub, b))
-            await wait_for(lambda: server.servicer._awaiting_first_token == 1)
+            call = await _waiting(server, stub, b)
             insts[0].cancel()
             assert await _code(call) is grpc.StatusCode.ABORTED
             await _close(insts[1:])
@@ -189,8 +191,7 @@ def test_a_waiting_call_ends_when_the_scheduler_shuts_down() -> None:
         async with scheduler(interval_s=1.0) as (server, stub, _):
             insts = await _engines(stub)
             a = await _assign(stub)
-            call = asyncio.ensure_future(_await(stub, a))
-            await wait_for(lambda: server.servicer._awaiting_first_token == 1)
+            call = await _waiting(server, stub, a)
             stopping = asyncio.ensure_future(server.stop(WAIT_S))
             assert await _code(call) is grpc.StatusCode.UNAVAILABLE
             await asyncio.wait_for(stopping, 2 * WAIT_S)
