@@ -51,21 +51,24 @@ class FirstTokenRelay:
         """The assignment closed: the futures of the frontends waiting on it, and on assignments it
         replaced, are cancelled (the call answers why). A ``Generate`` call's future stays: that
         call learns of the closing itself, and still takes a token that comes after."""
-        entries = self.waiters.get(rec.transfer_id)
-        if entries is None:
-            return
-        for owner, fut in list(entries):
-            if not owner.held and owner.state is not State.OPEN:  # rec itself, or one it replaced
-                fut.cancel()
-                self.forget(rec.transfer_id, fut)
+        self._end_frontend_waits(rec.transfer_id, closed_only=True)
 
     def close_all(self) -> None:
         """Shutdown: every frontend's future is cancelled (``Generate`` calls end on their own)."""
-        for transfer_id, entries in list(self.waiters.items()):
-            for owner, fut in list(entries):
-                if not owner.held:
-                    fut.cancel()
-                    self.forget(transfer_id, fut)
+        for transfer_id in list(self.waiters):
+            self._end_frontend_waits(transfer_id, closed_only=False)
+
+    def _end_frontend_waits(self, transfer_id: str, closed_only: bool) -> None:
+        """Cancels the transfer's frontend futures (those of closed assignments only, with
+        ``closed_only``); ``Generate`` calls' futures (held assignments) stay."""
+        kept = []
+        for owner, fut in self.waiters.pop(transfer_id, []):
+            if owner.held or (closed_only and owner.state is State.OPEN):
+                kept.append((owner, fut))
+            else:
+                fut.cancel()
+        if kept:
+            self.waiters[transfer_id] = kept
 
     def relay(self, report: pb.LoadReport | pb.FirstTokenReport) -> str | None:
         """The report's first tokens; why none was taken, or None. The prefill is named by the
@@ -107,12 +110,8 @@ class FirstTokenRelay:
         waiters hold, where ``prefill`` is one of that assignment's prefill engines and no token
         came before; answers the waiters whose assignment has it. A frontend's wait on an
         assignment that closed meanwhile (replaced by a new one of the same transfer id) ends."""
-        live: list[tuple[AssignmentRecord, asyncio.Future[SampledToken]]] = []
-        for owner, fut in self.waiters.pop(ft.transfer_id, []):
-            if owner.held or owner.state is State.OPEN:
-                live.append((owner, fut))
-            else:
-                fut.cancel()
+        self._end_frontend_waits(ft.transfer_id, closed_only=True)
+        live = self.waiters.pop(ft.transfer_id, [])
         owners = [owner for owner, _ in live]
         rec = self.registry.open.get(ft.transfer_id)
         if rec is not None and all(o is not rec for o in owners):  # identity: records compare by value

@@ -255,7 +255,7 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
             raise InvalidArgument(f"transfer_id longer than {limits.MAX_ID_CHARS} characters")
         outcome = convert.outcome_from_pb(request.outcome)
         rec = self.registry.release(request.transfer_id, request.epoch, outcome, limits.clip(request.reason))
-        if rec.transfer_id in self._first_tokens.waiters and isinstance(rec, AssignmentRecord):
+        if isinstance(rec, AssignmentRecord):
             self._first_tokens.closed(rec)
         if counts is None:
             self._count_releases({outcome: 1})
