@@ -8,6 +8,7 @@ leave no state behind (streams, open transfers, pending barriers, in-flight call
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -17,10 +18,12 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
+from kvpush.services.common import transfer_params
 from kvpush.services.common.aio_thread import LoopThread
 from kvpush.services.decode_agent.barrier import BarrierState
 from kvpush.services.decode_agent.rank import DecodeRank, DecodeRankConfig
 from kvpush.services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
+from kvpush.services.scheduler.first_tokens import FirstTokenRelay
 from kvpush.services.scheduler.generate import Chunk, OpenAIClient
 from kvpush.services.scheduler.registry import LeaseConfig
 from kvpush.services.scheduler.server import SchedulerConfig, SchedulerServer
@@ -270,10 +273,16 @@ def test_fuzz_decode_rank(rank: DecodeRank, calls: list[tuple[str, Any]]) -> Non
 
 
 class _InstantClient(OpenAIClient):
-    """Both legs succeed at once: one token, then done."""
+    """Both legs succeed at once: one token, then done. A hand-off's prefill leg reports its first
+    token to the scheduler as a prefill engine does (``relay`` is set once the server exists)."""
+
+    relay: FirstTokenRelay | None = None
 
     async def prefill(self, endpoint: str, p: Any, params: Any) -> None:
-        return None
+        leg = transfer_params.parse(params)
+        if self.relay is not None and isinstance(leg, transfer_params.PrefillLeg) and leg.first_token:
+            ft = pb.FirstToken(transfer_id=leg.transfer_id, decode_engine_id=leg.decode_engine_id, token_id=7)
+            self.relay.relay(pb.FirstTokenReport(engine_id=leg.prefill_engine_id, first_tokens=[ft]))
 
     async def decode(self, endpoint: str, p: Any, params: Any, max_tokens: int | None = None) -> AsyncIterator[Chunk]:
         yield Chunk([7], "length")
@@ -288,7 +297,8 @@ def sched() -> Iterator[tuple[SchedulerServer, pb_grpc.SchedulerStub]]:
         s = SchedulerServer(
             SchedulerConfig(listen="127.0.0.1:0", lease=LeaseConfig(interval_s=60.0, misses=3, settle_s=0.05))
         )
-        s.servicer.client = _InstantClient()
+        s.servicer.client = client = _InstantClient()
+        client.relay = s.servicer._first_tokens
         await s.start()
         return s
 
@@ -306,6 +316,7 @@ def sched() -> Iterator[tuple[SchedulerServer, pb_grpc.SchedulerStub]]:
                     total_kv_blocks=1 << 20,
                     tokens_per_block=16,
                     http_endpoint="http://127.0.0.1:1",
+                    first_token_handoff=role == pb.ROLE_DECODE,
                 )
             ),
             timeout=10,
@@ -327,6 +338,7 @@ _instances = st.builds(
     tokens_per_block=st.one_of(st.just(16), U32),
     http_endpoint=st.one_of(st.just("http://127.0.0.1:1"), TEXT),
     agent_incarnations=st.lists(IDS, max_size=3),
+    first_token_handoff=st.booleans(),
 )
 _register = _instances.map(lambda i: ("Register", pb.RegisterRequest(instance=i)))
 _first_token = st.builds(
@@ -359,7 +371,12 @@ _first_token_report = st.builds(
     first_tokens=st.lists(_first_token, max_size=3),
 ).map(lambda r: ("ReportFirstTokens", r))
 _assign = st.builds(
-    pb.AssignRequest, prompt_tokens=U32, prefix_hint=TEXT, transfer_id=st.just("") | IDS, max_tokens=U32
+    pb.AssignRequest,
+    prompt_tokens=st.just(10) | U32,  # half of them within the fixed decode's capacity
+    prefix_hint=TEXT,
+    transfer_id=st.just("") | IDS,
+    max_tokens=U32,
+    first_token_from_prefill=st.booleans(),
 ).map(lambda r: ("Assign", r))
 _release = st.builds(pb.ReleaseRequest, transfer_id=IDS, epoch=U64, outcome=st.integers(0, 4), reason=TEXT).map(
     lambda r: ("Release", r)
@@ -371,6 +388,8 @@ _assign_stream = st.lists(
         assigns=st.lists(_assign.map(lambda m: m[1]), max_size=4),
         releases=st.lists(_release.map(lambda m: m[1]), max_size=4),
         max_wait_ms=st.sampled_from([0, 1, 20]),  # waits stay short: the run is bounded
+        compact=st.booleans(),
+        first_tokens=st.booleans(),
     ),
     max_size=3,
 ).map(lambda bs: ("AssignStream", bs))
@@ -390,6 +409,49 @@ _leg_failure = st.builds(
 ).map(lambda r: ("ReportLegFailure", r))
 
 
+def _assign_stream_call(stub: pb_grpc.SchedulerStub, batches: list[pb.AssignStreamRequest]) -> None:
+    """The batches, then (once they are answered) one that releases every assignment they made,
+    on the same stream: first-token waits end only with their assignments. Every wait a batch
+    asked for ends with exactly one result on the stream."""
+    answered = threading.Event()
+    made: list[pb.Assignment | pb.CompactAssignment] = []
+    waited: list[str] = []
+
+    def requests() -> Iterator[pb.AssignStreamRequest]:
+        yield from batches
+        answered.wait(10)
+        releases = [pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK) for a in made]
+        yield pb.AssignStreamRequest(batch_id=1 << 63, releases=releases)
+
+    answers: list[pb.AssignStreamResponse] = []
+    results: list[pb.FirstTokenResult] = []
+    if not batches:
+        answered.set()
+    for msg in stub.AssignStream(requests(), timeout=10):
+        results.extend(msg.first_tokens)
+        if msg.tokens_only:
+            assert not msg.assigns and not msg.releases and msg.first_tokens
+            continue
+        answers.append(msg)
+        if len(answers) == len(batches):
+            for batch, answer in zip(batches, answers, strict=True):
+                assert answer.batch_id == batch.batch_id
+                assert len(answer.assigns) == len(batch.assigns) and len(answer.releases) == len(batch.releases)
+                for result in answer.assigns:
+                    kind = "compact" if batch.compact else "assignment"
+                    assert (result.code == 0) == result.HasField(kind)
+                    if result.code == 0:
+                        a = getattr(result, kind)
+                        made.append(a)
+                        if batch.first_tokens and a.first_token_from_prefill:
+                            waited.append(a.transfer_id)
+            answered.set()
+    assert answered.is_set() and len(answers) == len(batches) + 1
+    assert sorted(r.transfer_id for r in results) == sorted(waited)
+    event(f"AssignStream first-token results: {min(len(results), 2)}")
+    assert all(r.code != 0 for r in results)  # no prefill reported: each closed or was refused
+
+
 def _scheduler_call(stub: pb_grpc.SchedulerStub, method: str, request: Any) -> grpc.StatusCode:
     def run() -> None:
         if method == "ReportLoad":
@@ -407,17 +469,7 @@ def _scheduler_call(stub: pb_grpc.SchedulerStub, method: str, request: Any) -> g
             a = stub.Assign(request, timeout=10)
             stub.Release(pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK), timeout=10)
         elif method == "AssignStream":
-            answers = list(stub.AssignStream(iter(request), timeout=10))
-            assert [a.batch_id for a in answers] == [b.batch_id for b in request]
-            for batch, answer in zip(request, answers, strict=True):
-                assert len(answer.assigns) == len(batch.assigns) and len(answer.releases) == len(batch.releases)
-                for result in answer.assigns:
-                    assert (result.code == 0) == result.HasField("assignment")
-            done = [r.assignment for a in answers for r in a.assigns if r.code == 0]
-            releases = [
-                pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK) for a in done
-            ]
-            list(stub.AssignStream(iter([pb.AssignStreamRequest(releases=releases)]), timeout=10))
+            _assign_stream_call(stub, request)
         else:
             getattr(stub, method)(request, timeout=10)
 

@@ -20,6 +20,11 @@ that fails is logged.
 ``compact=True`` asks for ``CompactAssignment`` answers (``assign_compact``): engine ids, HTTP
 endpoints and both legs' ``kv_transfer_params`` as JSON text to put into the HTTP bodies as they
 are, the cheapest shape for the scheduler to build and for a frontend to use.
+
+``first_tokens=True`` asks the scheduler to deliver, on the same stream, the first token of every
+assignment granted the first-token hand-off (docs/first_token.md): ``await first_token(transfer_id)``
+answers as ``AwaitFirstToken`` would, without a call per request. The client keeps each result
+until ``first_token`` or ``release`` takes it.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class AssignStreamClient:
         max_wait_ms: int = 0,
         compact: bool = False,
         release_delay_ms: float = DEFAULT_RELEASE_DELAY_MS,
+        first_tokens: bool = False,
     ) -> None:
         if not 1 <= max_batch <= limits.MAX_ASSIGNS_PER_BATCH:
             raise ValueError(f"max_batch must be in 1..{limits.MAX_ASSIGNS_PER_BATCH}")
@@ -90,6 +96,9 @@ class AssignStreamClient:
         self.max_in_flight = max_in_flight
         self.max_wait_ms = max_wait_ms
         self.compact = compact
+        self.first_tokens = first_tokens
+        # transfer id -> (the epoch it was assigned, its first token's result), for hand-off assignments
+        self._tokens: dict[str, tuple[int, asyncio.Future[pb.FirstTokenResult]]] = {}
         self.release_delay_s = release_delay_ms / 1000
         self._release_window = 0  # counts the times the Release queue went from empty to not
         self._releases_overdue = False  # the queued Releases leave now, with or without an Assign
@@ -142,10 +151,29 @@ class AssignStreamClient:
         self._wake.set()
         return await fut
 
+    async def first_token(self, transfer_id: str) -> pb.AwaitFirstTokenResponse:
+        """The first token of an assignment this client got with the hand-off granted (a client made
+        with ``first_tokens=True``), once the scheduler has it; raises AssignError with the code
+        ``AwaitFirstToken`` would have ended with (or the stream's, when it broke: then
+        ``AwaitFirstToken`` can still answer it). Each result is taken once."""
+        entry = self._tokens.get(transfer_id)
+        if entry is None:
+            raise ValueError(f"no first token is expected for {transfer_id!r} on this stream")
+        try:
+            result = await entry[1]
+        finally:
+            if self._tokens.get(transfer_id) is entry:
+                del self._tokens[transfer_id]
+        if result.code != 0:
+            raise AssignError(status_code(result.code), result.message)
+        return result.token
+
     def release(self, transfer_id: str, epoch: int, outcome: pb.Outcome.ValueType, reason: str = "") -> None:
-        """Queues a Release for the next batch (no result is waited for)."""
+        """Queues a Release for the next batch (no result is waited for); drops the transfer's first
+        token if ``first_token`` has not taken it."""
         if self._error is not None:
             raise self._error
+        self._tokens.pop(transfer_id, None)
         if not self._releases and self.release_delay_s:
             self._release_window += 1
             self._releases_overdue = False
@@ -190,7 +218,11 @@ class AssignStreamClient:
                     batch_id = self._next_id
                     self._next_id += 1
                     msg = pb.AssignStreamRequest(
-                        batch_id=batch_id, max_wait_ms=self.max_wait_ms, releases=releases, compact=self.compact
+                        batch_id=batch_id,
+                        max_wait_ms=self.max_wait_ms,
+                        releases=releases,
+                        compact=self.compact,
+                        first_tokens=self.first_tokens,
                     )
                     msg.assigns.extend(req for req, _ in taken)
                     self._sent[batch_id] = _Sent([fut for _, fut in taken], releases)
@@ -231,6 +263,14 @@ class AssignStreamClient:
             self._fail(AssignError(grpc.StatusCode.CANCELLED, "the stream was cancelled"))
 
     def _answer(self, response: pb.AssignStreamResponse) -> None:
+        if not response.tokens_only:
+            self._answer_batch(response)
+        for result in response.first_tokens:
+            entry = self._tokens.get(result.transfer_id)
+            if entry is not None and entry[0] == result.epoch and not entry[1].done():
+                entry[1].set_result(result)
+
+    def _answer_batch(self, response: pb.AssignStreamResponse) -> None:
         sent = self._sent.pop(response.batch_id, None)
         if sent is None:
             log.warning("assign_stream_unknown_batch", batch_id=response.batch_id)
@@ -239,7 +279,10 @@ class AssignStreamClient:
             if fut.done():
                 continue
             if result.code == 0:
-                fut.set_result(result.compact if self.compact else result.assignment)
+                answer = result.compact if self.compact else result.assignment
+                if self.first_tokens and answer.first_token_from_prefill:
+                    self._tokens[answer.transfer_id] = (answer.epoch, asyncio.get_running_loop().create_future())
+                fut.set_result(answer)
             else:
                 fut.set_exception(AssignError(status_code(result.code), result.message))
         for fut in sent.assigns[len(response.assigns) :]:
@@ -269,4 +312,8 @@ class AssignStreamClient:
             if not fut.done():
                 fut.set_exception(error)
         self._assigns.clear()
+        broken = pb.FirstTokenResult(code=error.code.value[0], message=error.message)
+        for _, token in self._tokens.values():
+            if not token.done():
+                token.set_result(broken)
         self._answered.set()

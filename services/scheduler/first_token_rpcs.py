@@ -1,16 +1,20 @@
 """Scheduler.ReportFirstTokens (a prefill engine's first tokens, straight from the thread that
-sampled them) and Scheduler.AwaitFirstToken (a frontend's wait for one): the first-token hand-off's
-RPCs (docs/first_token.md); the bookkeeping is ``first_tokens.FirstTokenRelay``."""
+sampled them), Scheduler.AwaitFirstToken (a frontend's wait for one) and the first tokens an
+``AssignStream`` batch asks for (delivered on that stream): the first-token hand-off's RPCs
+(docs/first_token.md); the bookkeeping is ``first_tokens.FirstTokenRelay`` and
+``first_tokens.StreamedFirstTokens``."""
 
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import grpc
 
 from kvpush.services.common import limits
 from kvpush.services.common.security import claim_problem, peer_identity
-from kvpush.services.scheduler.model import Role
+from kvpush.services.scheduler.first_tokens import StreamedFirstTokens
+from kvpush.services.scheduler.model import AssignmentRecord, Role, SampledToken
 from kvpush.services.scheduler.servicer_core import ServicerCore
 from kvpush.v1 import kvpush_pb2 as pb
 
@@ -96,3 +100,56 @@ class FirstTokenRpcs(ServicerCore):
         return pb.AwaitFirstTokenResponse(
             token_id=token.token_id, stopped=token.stopped, prefill_engine_id=token.prefill_engine_id
         )
+
+    # ---------------------------------------------------------------- first tokens on AssignStream
+
+    def _stream_first_token(self, stream: StreamedFirstTokens, rec: AssignmentRecord) -> None:
+        """An ``AssignStream`` batch asked for the first token of ``rec`` (just assigned, granted
+        the hand-off): its result goes out on that stream when it comes, as ``AwaitFirstToken``
+        would answer it; the same bound on waits applies."""
+        limit = self.config.max_first_token_awaits
+        if rec.sampled is None and self._awaiting_first_token >= limit:
+            self.metrics.first_token_awaits.labels("refused").inc()
+            reason = f"{limit} first-token waits are pending already"
+            self.log.warning("request_refused", method="AssignStream", code="RESOURCE_EXHAUSTED", reason=reason)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            stream.push(pb.FirstTokenResult(transfer_id=rec.transfer_id, epoch=rec.epoch, code=code, message=reason))
+            return
+        fut = self._first_tokens.wait_for(rec)
+        self._awaiting_first_token += 1
+        stream.waits[fut] = rec.transfer_id
+        fut.add_done_callback(partial(self._streamed_first_token, stream, rec, rec.epoch))
+
+    def _streamed_first_token(
+        self, stream: StreamedFirstTokens, rec: AssignmentRecord, epoch: int, fut: asyncio.Future[SampledToken]
+    ) -> None:
+        if stream.waits.pop(fut, None) is None:  # the stream ended first
+            return
+        self._awaiting_first_token -= 1
+        self._first_tokens.forget(rec.transfer_id, fut)
+        result = pb.FirstTokenResult(transfer_id=rec.transfer_id, epoch=epoch)
+        if fut.cancelled():
+            self.metrics.first_token_awaits.labels("closed").inc()
+            if self.shutting_down:
+                code, result.message = grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down"
+            else:
+                code = grpc.StatusCode.ABORTED
+                result.message = f"the assignment closed before its first token came: {rec.reason or rec.state.value}"
+                self.log.info("first_token_await_closed", transfer_id=rec.transfer_id, reason=rec.reason)
+            result.code = code.value[0]
+        else:
+            token = fut.result()
+            self.metrics.first_token_awaits.labels("answered").inc()
+            result.token.token_id, result.token.stopped = token.token_id, token.stopped
+            result.token.prefill_engine_id = token.prefill_engine_id
+        stream.push(result)
+
+    def _end_streamed_first_tokens(self, stream: StreamedFirstTokens) -> None:
+        """The stream ended: its waits end with it (the tokens stay kept on their assignments, so
+        ``AwaitFirstToken`` still answers them)."""
+        waits, stream.waits = stream.waits, {}
+        for fut, transfer_id in waits.items():
+            self._awaiting_first_token -= 1
+            self._first_tokens.forget(transfer_id, fut)
+            fut.cancel()
+            self.metrics.first_token_awaits.labels("cancelled").inc()

@@ -2,7 +2,8 @@
 samples; the scheduler relays it to the decode engine the report names, keeps it on the open
 assignment when one of that assignment's prefill engines sampled it (the first such token wins),
 and answers whatever waits for it: the transfer's ``Generate`` call or a frontend's
-``AwaitFirstToken``. Pure bookkeeping around the registry; the RPCs are in ``first_token_rpcs``."""
+``AwaitFirstToken`` or an ``AssignStream`` batch that asked for it. Pure bookkeeping around the
+registry; the RPCs are in ``first_token_rpcs``."""
 
 from __future__ import annotations
 
@@ -136,3 +137,34 @@ class FirstTokenRelay:
                 fut.set_result(owner.sampled)
         if waiting:
             self.waiters[ft.transfer_id] = waiting
+
+
+class StreamedFirstTokens:
+    """The first tokens one ``AssignStream`` waits for (its batches with ``first_tokens``), and the
+    results ready to go out on it. A wait belongs to the stream while its future is in ``waits``:
+    whichever comes first, the future's end or the stream's, takes it out and settles it."""
+
+    def __init__(self) -> None:
+        self.waits: dict[asyncio.Future[SampledToken], str] = {}  # future -> transfer id
+        self.results: list[pb.FirstTokenResult] = []
+        self._ready: asyncio.Future[None] | None = None
+
+    def push(self, result: pb.FirstTokenResult) -> None:
+        self.results.append(result)
+        if self._ready is not None and not self._ready.done():
+            self._ready.set_result(None)
+
+    def ready(self) -> asyncio.Future[None]:
+        """A future done once a result is ready to go out."""
+        if self._ready is None or self._ready.done():
+            self._ready = asyncio.get_running_loop().create_future()
+            if self.results:
+                self._ready.set_result(None)
+        return self._ready
+
+    def take(self, into: pb.AssignStreamResponse) -> pb.AssignStreamResponse:
+        """``into`` with every ready result added (they leave with it)."""
+        if self.results:
+            into.first_tokens.extend(self.results)
+            self.results.clear()
+        return into

@@ -19,6 +19,7 @@ from kvpush.services.common.security import ROLE_NAMES, claim_problem, peer_iden
 from kvpush.services.scheduler import convert
 from kvpush.services.scheduler.errors import InvalidArgument, NoCapacity, SchedulerError
 from kvpush.services.scheduler.first_token_rpcs import FirstTokenRpcs
+from kvpush.services.scheduler.first_tokens import StreamedFirstTokens
 from kvpush.services.scheduler.generate_rpcs import GenerateRpcs
 from kvpush.services.scheduler.load_stream_push import Pushed, ack_of
 from kvpush.services.scheduler.model import (
@@ -272,25 +273,63 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
     async def AssignStream(
         self, request_iterator: AsyncIterator[pb.AssignStreamRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AssignStreamResponse]:
-        """Batches of Assign and Release, answered in order; the legs of one answer are signed once."""
-        async for batch in request_iterator:
-            if len(batch.assigns) > limits.MAX_ASSIGNS_PER_BATCH or len(batch.releases) > limits.MAX_RELEASES_PER_BATCH:
-                await self._refuse(
-                    context,
-                    "AssignStream",
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"a batch holds at most {limits.MAX_ASSIGNS_PER_BATCH} assigns and "
-                    f"{limits.MAX_RELEASES_PER_BATCH} releases",
-                )
-            self._begin()
-            try:
-                response = await self._assign_batch(batch, context)
-            finally:
-                self._end()
-            yield response
+        """Batches of Assign and Release, answered in order; the legs of one answer are signed once.
+        First tokens asked for by batches go out with the next answer, or alone as they come: while
+        any is awaited, the next batch is read by a task beside the wait (else read directly)."""
+        batches = aiter(request_iterator)
+        tokens = StreamedFirstTokens()
+        reading: asyncio.Future[pb.AssignStreamRequest | None] | None = None
+        requests_ended = False
+        try:
+            while True:
+                if tokens.results:
+                    yield tokens.take(pb.AssignStreamResponse(tokens_only=True))
+                    continue
+                if requests_ended:
+                    if not tokens.waits:
+                        return
+                    await tokens.ready()
+                    continue
+                if reading is None and not tokens.waits:
+                    batch = await anext(batches, None)
+                else:
+                    if reading is None:
+                        reading = asyncio.ensure_future(anext(batches, None))
+                    ready: set[asyncio.Future[Any]] = {reading, tokens.ready()}
+                    await asyncio.wait(ready, return_when=asyncio.FIRST_COMPLETED)
+                    if not reading.done():
+                        continue
+                    batch, reading = reading.result(), None
+                if batch is None:
+                    requests_ended = True
+                    continue
+                if (
+                    len(batch.assigns) > limits.MAX_ASSIGNS_PER_BATCH
+                    or len(batch.releases) > limits.MAX_RELEASES_PER_BATCH
+                ):
+                    await self._refuse(
+                        context,
+                        "AssignStream",
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"a batch holds at most {limits.MAX_ASSIGNS_PER_BATCH} assigns and "
+                        f"{limits.MAX_RELEASES_PER_BATCH} releases",
+                    )
+                self._begin()
+                try:
+                    response = await self._assign_batch(batch, context, tokens if batch.first_tokens else None)
+                finally:
+                    self._end()
+                yield tokens.take(response)
+        finally:
+            if reading is not None:
+                reading.cancel()
+            self._end_streamed_first_tokens(tokens)
 
     async def _assign_batch(
-        self, batch: pb.AssignStreamRequest, context: grpc.aio.ServicerContext
+        self,
+        batch: pb.AssignStreamRequest,
+        context: grpc.aio.ServicerContext,
+        tokens: StreamedFirstTokens | None = None,
     ) -> pb.AssignStreamResponse:
         response = pb.AssignStreamResponse(batch_id=batch.batch_id)
         ok = grpc.StatusCode.OK.value[0]
@@ -348,6 +387,10 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
             convert.fill_compact([(r, s.compact) for r, s in zip(live, live_slots, strict=True)], self.signer)
         else:
             convert.fill_assignments([(r, s.assignment) for r, s in zip(live, live_slots, strict=True)], self.signer)
+        if tokens is not None:
+            for rec in live:
+                if rec.first_token:
+                    self._stream_first_token(tokens, rec)
         return response
 
     async def ReportLegFailure(self, request: pb.LegFailure, context: grpc.aio.ServicerContext) -> pb.LegFailureAck:

@@ -1468,6 +1468,7 @@ class AssignStreamRequest(_message.Message):
     RELEASES_FIELD_NUMBER: _builtins.int
     MAX_WAIT_MS_FIELD_NUMBER: _builtins.int
     COMPACT_FIELD_NUMBER: _builtins.int
+    FIRST_TOKENS_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.int
     """echoed in the response"""
     max_wait_ms: _builtins.int
@@ -1478,6 +1479,12 @@ class AssignStreamRequest(_message.Message):
     compact: _builtins.bool
     """Answer each assign with AssignResult.compact (legs as JSON text, instances by engine id and
     HTTP endpoint) instead of AssignResult.assignment: less to build, send and parse per assign.
+    """
+    first_tokens: _builtins.bool
+    """Deliver the first token of each assign of this batch that is granted the first-token hand-off
+    on this stream, as AwaitFirstToken would answer it, in AssignStreamResponse.first_tokens:
+    no AwaitFirstToken call per request. The stream then stays open after the frontend half-closes
+    until every such token is delivered or its assignment closed.
     """
     @_builtins.property
     def assigns(self) -> _containers.RepeatedCompositeFieldContainer[Global___AssignRequest]:
@@ -1495,10 +1502,11 @@ class AssignStreamRequest(_message.Message):
         releases: _abc.Iterable[Global___ReleaseRequest] | None = ...,
         max_wait_ms: _builtins.int = ...,
         compact: _builtins.bool = ...,
+        first_tokens: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigns", b"assigns", "batch_id", b"batch_id", "compact", b"compact", "max_wait_ms", b"max_wait_ms", "releases", b"releases"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigns", b"assigns", "batch_id", b"batch_id", "compact", b"compact", "first_tokens", b"first_tokens", "max_wait_ms", b"max_wait_ms", "releases", b"releases"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1611,13 +1619,57 @@ class ReleaseResult(_message.Message):
 Global___ReleaseResult: _TypeAlias = ReleaseResult  # noqa: Y015
 
 @_typing.final
+class FirstTokenResult(_message.Message):
+    """One first token asked for by a batch with first_tokens: code 0 (OK) and the token, or the status
+    AwaitFirstToken would have ended with (ABORTED: the assignment closed before its token came;
+    UNAVAILABLE: the scheduler is shutting down; RESOURCE_EXHAUSTED: too many waiting).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    TOKEN_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    epoch: _builtins.int
+    """the epoch the assign was answered with"""
+    code: _builtins.int
+    message: _builtins.str
+    @_builtins.property
+    def token(self) -> Global___AwaitFirstTokenResponse:
+        """set when code is 0"""
+
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        token: Global___AwaitFirstTokenResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "epoch", b"epoch", "message", b"message", "token", b"token", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___FirstTokenResult: _TypeAlias = FirstTokenResult  # noqa: Y015
+
+@_typing.final
 class AssignStreamResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     BATCH_ID_FIELD_NUMBER: _builtins.int
     ASSIGNS_FIELD_NUMBER: _builtins.int
     RELEASES_FIELD_NUMBER: _builtins.int
+    FIRST_TOKENS_FIELD_NUMBER: _builtins.int
+    TOKENS_ONLY_FIELD_NUMBER: _builtins.int
     batch_id: _builtins.int
+    tokens_only: _builtins.bool
+    """this message answers no batch"""
     @_builtins.property
     def assigns(self) -> _containers.RepeatedCompositeFieldContainer[Global___AssignResult]:
         """aligned with AssignStreamRequest.assigns"""
@@ -1626,16 +1678,24 @@ class AssignStreamResponse(_message.Message):
     def releases(self) -> _containers.RepeatedCompositeFieldContainer[Global___ReleaseResult]:
         """aligned with AssignStreamRequest.releases"""
 
+    @_builtins.property
+    def first_tokens(self) -> _containers.RepeatedCompositeFieldContainer[Global___FirstTokenResult]:
+        """First tokens ready when this message left (batches with first_tokens), in any message, with the
+        answers of a batch or alone (then tokens_only is set, and batch_id, assigns, releases are empty).
+        """
+
     def __init__(
         self,
         *,
         batch_id: _builtins.int = ...,
         assigns: _abc.Iterable[Global___AssignResult] | None = ...,
         releases: _abc.Iterable[Global___ReleaseResult] | None = ...,
+        first_tokens: _abc.Iterable[Global___FirstTokenResult] | None = ...,
+        tokens_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigns", b"assigns", "batch_id", b"batch_id", "releases", b"releases"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["assigns", b"assigns", "batch_id", b"batch_id", "first_tokens", b"first_tokens", "releases", b"releases", "tokens_only", b"tokens_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
