@@ -9,7 +9,11 @@ instances that keep load streams open, then measures from many concurrent client
   side spends per pair, then the same against a servicer without any logic (the gRPC floor);
 * AssignStream (``--stream-rates``): the same open loop through one ``AssignStreamClient`` per
   channel (each Assign and its Release coalesced with the others in flight; legs MACed per engine,
-  or with ``--legs sign`` signed once per batch), at each rate, then a closed loop of ``--stream-workers`` callers for the maximum.
+  or with ``--legs sign`` signed once per batch), at each rate, then a closed loop of ``--stream-workers`` callers for the maximum;
+* the first-token hand-off (``--handoff-rates``): each request an assign asking for the hand-off, its
+  first token reported by a fake prefill ``--prefill-ms`` later and delivered on the stream or by
+  one ``AwaitFirstToken`` call per request (``--handoff-via``), then its Release
+  (benchmarks/scheduler_handoff.py).
 
 Latency is the client-observed Assign round trip; in the AssignStream open loop it counts from each
 arrival's scheduled time, so a client that falls behind its schedule shows in it. Prints a markdown table and writes JSON to
@@ -101,6 +105,7 @@ class Bench:
         self._streams: list[Any] = []
         self._stop = asyncio.Event()
         self.clients: list[Any] = []  # AssignStreamClient, one per stream
+        self.prefill_stubs: dict[str, pb_grpc.SchedulerStub] = {}  # each over its engine's identity
 
     def stub(self) -> pb_grpc.SchedulerStub:
         self._n += 1
@@ -121,7 +126,10 @@ class Bench:
                 total_kv_blocks=4_000_000,
                 tokens_per_block=16,
                 http_endpoint=http_endpoint,
+                first_token_handoff=role == pb.ROLE_DECODE,
             )
+            if role == pb.ROLE_PREFILL:
+                self.prefill_stubs[name] = stub
             resp = await stub.Register(pb.RegisterRequest(instance=info), timeout=5)
             interval = resp.lease_interval_ms / 1000 / 2
 
@@ -208,7 +216,13 @@ class Bench:
         return res
 
     async def open_streams(
-        self, streams: int, max_batch: int, in_flight: int, compact: bool = True, release_delay_ms: float = 0.0
+        self,
+        streams: int,
+        max_batch: int,
+        in_flight: int,
+        compact: bool = True,
+        release_delay_ms: float = 0.0,
+        first_tokens: bool = False,
     ) -> None:
         from kvpush.services.scheduler.assign_client import AssignStreamClient
 
@@ -219,6 +233,7 @@ class Bench:
                 max_in_flight=in_flight,
                 compact=compact,
                 release_delay_ms=release_delay_ms,
+                first_tokens=first_tokens,
             ).start()
             for i in range(streams)
         ]
@@ -406,6 +421,33 @@ async def _with_cpu(phase: Any, pid: int) -> dict[str, Any]:
     return res
 
 
+async def _handoff_phases(
+    bench: Bench, args: argparse.Namespace, via: str, pid: int, metrics_port: int
+) -> list[dict[str, Any]]:
+    """The hand-off open loop at each of ``--handoff-rates``, the tokens delivered ``via``."""
+    from benchmarks.scheduler_handoff import HandoffPhase, PrefillReporters
+
+    await bench.open_streams(
+        args.streams, args.max_batch, args.max_in_flight, True, args.release_delay_ms, first_tokens=via == "stream"
+    )
+    reporters = PrefillReporters(bench.prefill_stubs)
+
+    def phase() -> HandoffPhase:
+        return HandoffPhase(bench.clients, bench.stubs, reporters, via, args.prefill_ms)
+
+    rates = [float(r) for r in args.handoff_rates.split(",") if r]
+    await phase().open_loop(min(rates), 1.0)  # warm-up
+    results = []
+    for rate in rates:
+        gc_before = _gc_pauses(metrics_port)
+        results.append(await _with_cpu(phase().open_loop(rate, args.seconds), pid))
+        results[-1]["server_gc"] = _gc_delta(gc_before, _gc_pauses(metrics_port))
+        results[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
+    await reporters.close()
+    await bench.close_streams()
+    return results
+
+
 def _cpus(spec: str) -> set[int]:
     """'0', '0,2' or '0-3' as a CPU set; '' for none."""
     cpus: set[int] = set()
@@ -522,6 +564,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 results[-1]["server_gc"] = _gc_delta(gc_before, _gc_pauses(metrics_port))
                 results[-1]["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
             await bench.close_streams()
+        for via in [v for v in args.handoff_via.split(",") if v] if args.handoff_rates else []:
+            results.extend(await _handoff_phases(bench, args, via, proc.pid, metrics_port))
         await bench.close()
     finally:
         _stop(proc)
@@ -586,6 +630,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "compact": bool(args.compact),
             "legs": args.legs,
             "release_delay_ms": args.release_delay_ms,
+            "handoff_via": args.handoff_via if args.handoff_rates else "",
+            "prefill_ms": args.prefill_ms,
             "server_cpus": args.server_cpus or "any",
             "client_cpus": args.client_cpus or "any",
             "note": "client-observed Assign round trip (Releases not timed: 'inline' = sent by the same task "
@@ -671,12 +717,19 @@ def _num(r: dict[str, Any], key: str) -> str:
     return f"{r[key]:.0f}" if key in r else "–"
 
 
+def _first_token_cell(r: dict[str, Any]) -> str:
+    if "first_token_p50_ms" not in r:
+        return "–"
+    return f"{r['first_token_p50_ms']:.3f} / {r['first_token_p99_ms']:.3f}"
+
+
 def _table(report: dict[str, Any]) -> str:
     rows = [
         "| phase | offered req/s | achieved req/s | completed | errors | p50 ms | p90 ms | p99 ms | p99.9 ms | max ms "
         "| server-side ≤ 0.25 ms | server-side ≤ 1 ms | server CPU µs/pair | client CPU µs/pair | batches "
-        "| server GC: full collections / their pause; younger ones' pause | load avg after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| server GC: full collections / their pause; younger ones' pause | first token p50 / p99 ms "
+        "| load avg after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in report["results"]:
         offered = f"{r['offered_rps']:.0f}" if r["offered_rps"] else "max"
@@ -685,7 +738,7 @@ def _table(report: dict[str, Any]) -> str:
             f"{r['p50_ms']:.3f} | {r['p90_ms']:.3f} | {r['p99_ms']:.3f} | {r['p999_ms']:.3f} | {r['max_ms']:.3f} | "
             f"{_share(r, 'share_le_0.25ms')} | {_share(r, 'share_le_1ms')} | "
             f"{_num(r, 'server_cpu_us_per_pair')} | {_num(r, 'client_cpu_us_per_pair')} | {_num(r, 'batches')} | "
-            f"{_gc_cell(r)} | {r.get('loadavg_1m_after', '–')} |"
+            f"{_gc_cell(r)} | {_first_token_cell(r)} | {r.get('loadavg_1m_after', '–')} |"
         )
     host = report["host"]
     rows.append(
@@ -711,6 +764,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--stream-rates", default="5000", help="AssignStream open-loop rates, comma-separated ('' to skip)")
     p.add_argument("--stream-workers", type=int, default=256, help="AssignStream closed-loop callers (0: skip)")
     p.add_argument("--streams", type=int, default=1, help="AssignStream streams (one client each)")
+    p.add_argument(
+        "--handoff-rates", default="", help="first-token hand-off open-loop rates, comma-separated ('' to skip)"
+    )
+    p.add_argument(
+        "--handoff-via",
+        default="stream,unary",
+        help="how the hand-off phases' frontends get each first token: stream (AssignStream first_tokens), "
+        "unary (one AwaitFirstToken call per request), or both, comma-separated",
+    )
+    p.add_argument(
+        "--prefill-ms", type=float, default=20.0, help="hand-off phases: when the fake prefill samples each token"
+    )
     p.add_argument("--max-batch", type=int, default=256, help="assigns per AssignStream batch at most")
     p.add_argument("--max-in-flight", type=int, default=2, help="unanswered batches per stream at most")
     p.add_argument(

@@ -70,3 +70,31 @@ def test_a_short_run_measures_the_scheduler_and_the_grpc_floor_at_the_same_rate(
     for r in phases.values():
         assert r["offered_rps"] == 200 and r["completed"] == 100 and r["errors"] == 0
         assert 0 < r["batches"] <= 200 and r["server_cpu_us_per_pair"] > 0  # a Release may go alone
+
+
+@pytest.mark.timeout(180)
+def test_a_short_handoff_run_delivers_every_first_token_both_ways(tmp_path: Path) -> None:
+    """The hand-off phases end to end: every request gets its first token (the benchmark checks
+    each is its prefill's), on the stream and by AwaitFirstToken."""
+    out = tmp_path / "scheduler.json"
+    argv = ["--unary", "0", "--stream-rates", "", "--stream-workers", "0", "--seconds", "0.5", "--baseline", "0"]
+    argv += ["--decodes", "1", "--prefills", "2", "--handoff-rates", "200", "--prefill-ms", "5", "--out", str(out)]
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.scheduler", *argv],
+        cwd=sb.ROOT,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["setup"]["handoff_via"] == "stream,unary"
+    phases = {r["phase"]: r for r in report["results"]}
+    assert set(phases) == {
+        "hand-off: AssignStream + first token on the stream",
+        "hand-off: AssignStream + first token by AwaitFirstToken",
+    }
+    for r in phases.values():
+        assert r["completed"] == 100 and r["errors"] == 0 and r["first_tokens"] == 100
+        assert 0 < r["first_token_p50_ms"] <= r["first_token_p99_ms"] and r["prefill_reports"] >= 1
+    assert "first token p50 / p99 ms" in run.stdout
