@@ -243,6 +243,8 @@ class Soak:
                 kind, detail = "hung", f"timed out: {exc}"[:160]
             except (VllmServerError, OSError) as exc:
                 kind, detail = "failed", f"leg: {exc}"[:160]
+            except Exception as exc:  # anything else is counted (and named) too: a client thread never dies
+                kind, detail = "failed", f"client error: {exc!r}"[:160]
             with self.lock:
                 self.outcomes.append(Outcome(self.now(), i, kind, time.monotonic() - start, detail, path))
             if kind == "failed":

@@ -42,6 +42,7 @@ class StreamFrontend:
         self._channel: grpc.aio.Channel | None = None
         self._stub: pb_grpc.SchedulerStub | None = None
         self._client: AssignStreamClient | None = None
+        self._opening = asyncio.Lock()
         self.streams_opened = 0
         self.streamed_tokens = 0  # first tokens taken from the stream
         self.answered_tokens = 0  # first tokens taken from the prefill leg's answer (the stream could not)
@@ -70,6 +71,10 @@ class StreamFrontend:
         self.loop.stop()
 
     async def _stream(self) -> tuple[AssignStreamClient, pb_grpc.SchedulerStub]:
+        async with self._opening:  # one replacement for a broken stream, however many requests saw it
+            return await self._open_stream()
+
+    async def _open_stream(self) -> tuple[AssignStreamClient, pb_grpc.SchedulerStub]:
         if self._client is None or self._client.error is not None:
             if self._client is not None:
                 with contextlib.suppress(Exception):

@@ -88,3 +88,39 @@ def test_kvpush_engines_of_both_roles_get_the_connectors_worker_class(role: str)
     mine = _server(kv_transfer_config={**kv, "kv_role": role}, extra_args=["--worker-cls", "my.Worker"]).command()
     assert mine.count("--worker-cls") == 1 and mine[mine.index("--worker-cls") + 1] == "my.Worker"
     assert "--worker-cls" not in _server().command()  # a plain vLLM keeps vLLM's own
+
+
+def test_an_answer_cut_off_mid_body_is_a_server_error() -> None:
+    """A server that dies while it sends its answer (the body shorter than its Content-Length):
+    ``complete`` raises VllmServerError, as for any other failed leg, not the HTTP library's own
+    exception (which the callers do not expect: a soak client thread died of it)."""
+    import http.server
+    import threading
+
+    from kvpush.services.common.vllm_server import VllmServerError, _model_names, complete
+
+    class CutOff(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b'{"choices": [')
+            self.close_connection = True
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), CutOff)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    _model_names[url] = "m"  # no GET /v1/models
+    try:
+        with pytest.raises(VllmServerError, match="cut off"):
+            complete(url, [1, 2, 3], 1, timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+        _model_names.pop(url, None)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -483,6 +484,8 @@ def complete(
     except urllib.error.HTTPError as exc:
         detail = exc.read().decode(errors="replace")
         raise VllmServerError(f"POST {base_url}/v1/completions: HTTP {exc.code}: {detail}") from exc
+    except http.client.HTTPException as exc:  # the server went away mid-answer (IncompleteRead, ...)
+        raise VllmServerError(f"POST {base_url}/v1/completions: answer cut off: {exc!r}") from exc
     return _tokens_of(out), out
 
 
