@@ -150,6 +150,21 @@ class FakeInstance:
         self._call.cancel()
 
 
+async def handoff_engines(stub: Any, prefills: tuple[str, ...] = ("p0",)) -> list[FakeInstance]:
+    """A decode ``d0`` that takes the first-token hand-off and the prefills, each with its load
+    stream acknowledged."""
+    insts = [await FakeInstance(stub, info("d0", first_token_handoff=True)).start()]
+    for p in prefills:
+        insts.append(await FakeInstance(stub, info(p, pb.ROLE_PREFILL)).start())
+    await wait_for(lambda: all(i.acks for i in insts))
+    return insts
+
+
+async def close_instances(insts: list[FakeInstance]) -> None:
+    for i in insts:
+        await i.close()
+
+
 async def wait_for(pred: Callable[[], bool], timeout: float = WAIT_S) -> None:
     """Polls an in-process condition (state the test cannot get an event for) within a bound."""
     loop = asyncio.get_running_loop()

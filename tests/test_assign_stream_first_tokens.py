@@ -11,25 +11,12 @@ from typing import Any
 
 import grpc
 import pytest
-from scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
+from scheduler_support import WAIT_S, close_instances, handoff_engines, run, scheduler, wait_for
 
 from kvpush.services.scheduler.assign_client import AssignError, AssignStreamClient
 from kvpush.v1 import kvpush_pb2 as pb
 
 LEASE = {"interval_s": 0.5, "misses": 20}  # no instance dies under these tests
-
-
-async def _engines(stub: Any, prefills: tuple[str, ...] = ("p0",)) -> list[FakeInstance]:
-    insts = [await FakeInstance(stub, info("d0", first_token_handoff=True)).start()]
-    for p in prefills:
-        insts.append(await FakeInstance(stub, info(p, pb.ROLE_PREFILL)).start())
-    await wait_for(lambda: all(i.acks for i in insts))
-    return insts
-
-
-async def _close(insts: list[FakeInstance]) -> None:
-    for i in insts:
-        await i.close()
 
 
 def _handoff(handoff: bool = True) -> pb.AssignRequest:
@@ -59,7 +46,7 @@ def test_a_batch_that_asks_gets_each_first_token_on_its_stream(compact: bool) ->
 
     async def body() -> None:
         async with scheduler(**LEASE) as (server, stub, _):
-            insts = await _engines(stub, ("p0", "p1"))
+            insts = await handoff_engines(stub, ("p0", "p1"))
             async with AssignStreamClient(stub, compact=compact, first_tokens=True) as client:
                 assign = client.assign_compact if compact else client.assign
                 a, plain = await asyncio.gather(assign(_handoff()), assign(_handoff(False)))
@@ -81,7 +68,7 @@ def test_a_batch_that_asks_gets_each_first_token_on_its_stream(compact: bool) ->
                     await client.first_token(a.transfer_id)
                 for x in (a, plain):
                     client.release(x.transfer_id, x.epoch, pb.OUTCOME_OK)
-            await _close(insts)
+            await close_instances(insts)
 
     run(body())
 
@@ -89,7 +76,7 @@ def test_a_batch_that_asks_gets_each_first_token_on_its_stream(compact: bool) ->
 def test_a_stream_that_does_not_ask_waits_for_nothing() -> None:
     async def body() -> None:
         async with scheduler(**LEASE) as (server, stub, _):
-            insts = await _engines(stub)
+            insts = await handoff_engines(stub)
             async with AssignStreamClient(stub) as client:
                 a = await client.assign(_handoff())
                 assert a.first_token_from_prefill and _nothing_left(server)
@@ -100,7 +87,7 @@ def test_a_stream_that_does_not_ask_waits_for_nothing() -> None:
                     pb.AwaitFirstTokenRequest(transfer_id=a.transfer_id, epoch=a.epoch), timeout=WAIT_S
                 )
                 assert got.token_id == 5
-            await _close(insts)
+            await close_instances(insts)
 
     run(body())
 
@@ -108,7 +95,7 @@ def test_a_stream_that_does_not_ask_waits_for_nothing() -> None:
 def test_streamed_waits_end_with_their_assignment_or_their_stream_and_leave_nothing() -> None:
     async def body() -> None:
         async with scheduler(max_first_token_awaits=1, **LEASE) as (server, stub, _):
-            insts = await _engines(stub)
+            insts = await handoff_engines(stub)
             client = await AssignStreamClient(stub, max_batch=1, first_tokens=True).start()
             a = await client.assign(_handoff())
             over = await client.assign(_handoff())  # past the bound on waits: refused at once
@@ -149,7 +136,7 @@ def test_streamed_waits_end_with_their_assignment_or_their_stream_and_leave_noth
             assert dead.value.code is grpc.StatusCode.ABORTED
             assert _nothing_left(server)
             await client.close()
-            await _close(insts[1:])
+            await close_instances(insts[1:])
 
     run(body())
 
@@ -160,7 +147,7 @@ def test_the_stream_stays_open_after_the_frontend_half_closes_until_its_tokens_c
 
     async def body() -> None:
         async with scheduler(**LEASE) as (server, stub, _):
-            insts = await _engines(stub)
+            insts = await handoff_engines(stub)
             call = stub.AssignStream()
             await call.write(pb.AssignStreamRequest(batch_id=3, assigns=[_handoff()], first_tokens=True))
             answer = await asyncio.wait_for(call.read(), WAIT_S)
@@ -176,7 +163,7 @@ def test_the_stream_stays_open_after_the_frontend_half_closes_until_its_tokens_c
             assert (result.token.token_id, result.token.prefill_engine_id) == (21, a.prefill.engine_id)
             assert await asyncio.wait_for(call.read(), WAIT_S) is grpc.aio.EOF
             assert await call.code() is grpc.StatusCode.OK and _nothing_left(server)
-            await _close(insts)
+            await close_instances(insts)
 
     run(body())
 
@@ -184,7 +171,7 @@ def test_the_stream_stays_open_after_the_frontend_half_closes_until_its_tokens_c
 def test_a_streamed_wait_ends_when_the_scheduler_shuts_down() -> None:
     async def body() -> None:
         async with scheduler(**LEASE) as (server, stub, _):
-            insts = await _engines(stub)
+            insts = await handoff_engines(stub)
             client = await AssignStreamClient(stub, first_tokens=True).start()
             a = await client.assign(_handoff())
             waiting = asyncio.ensure_future(client.first_token(a.transfer_id))

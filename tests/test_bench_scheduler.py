@@ -46,11 +46,8 @@ def test_table_says_how_fast_the_machine_was() -> None:
     )
 
 
-@pytest.mark.timeout(180)
-def test_a_short_run_measures_the_scheduler_and_the_grpc_floor_at_the_same_rate(tmp_path: Path) -> None:
-    out = tmp_path / "scheduler.json"
-    argv = ["--unary", "0", "--stream-rates", "200", "--stream-workers", "0", "--seconds", "0.5"]
-    argv += ["--decodes", "1", "--prefills", "1", "--release-delay-ms", "2", "--out", str(out)]
+def _bench(argv: list[str]) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.scheduler`` with ``argv``, which must succeed."""
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.scheduler", *argv],
         cwd=sb.ROOT,
@@ -59,6 +56,15 @@ def test_a_short_run_measures_the_scheduler_and_the_grpc_floor_at_the_same_rate(
         timeout=150,
     )
     assert run.returncode == 0, run.stderr[-2000:]
+    return run
+
+
+@pytest.mark.timeout(180)
+def test_a_short_run_measures_the_scheduler_and_the_grpc_floor_at_the_same_rate(tmp_path: Path) -> None:
+    out = tmp_path / "scheduler.json"
+    argv = ["--unary", "0", "--stream-rates", "200", "--stream-workers", "0", "--seconds", "0.5"]
+    argv += ["--decodes", "1", "--prefills", "1", "--release-delay-ms", "2", "--out", str(out)]
+    run = _bench(argv)
     report = json.loads(out.read_text())
     assert report["setup"]["release_delay_ms"] == 2
     assert report["setup"]["legs"] == "mac" and "legs: mac;" in run.stdout  # the deployed default
@@ -79,14 +85,7 @@ def test_a_short_handoff_run_delivers_every_first_token_both_ways(tmp_path: Path
     out = tmp_path / "scheduler.json"
     argv = ["--unary", "0", "--stream-rates", "", "--stream-workers", "0", "--seconds", "0.5", "--baseline", "0"]
     argv += ["--decodes", "1", "--prefills", "2", "--handoff-rates", "200", "--prefill-ms", "5", "--out", str(out)]
-    run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.scheduler", *argv],
-        cwd=sb.ROOT,
-        capture_output=True,
-        text=True,
-        timeout=150,
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
+    run = _bench(argv)
     report = json.loads(out.read_text())
     assert report["setup"]["handoff_via"] == "stream,unary"
     phases = {r["phase"]: r for r in report["results"]}

@@ -10,26 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
+from scheduler_support import WAIT_S, FakeInstance, close_instances, handoff_engines, info, run, scheduler, wait_for
 from scheduler_support import status_code as _code
 
 from kvpush.services.common import limits
 from kvpush.services.common.security import Security, TlsFiles
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
-
-
-async def _engines(stub: Any, prefills: tuple[str, ...] = ("p0",)) -> list[FakeInstance]:
-    insts = [await FakeInstance(stub, info("d0", first_token_handoff=True)).start()]
-    for p in prefills:
-        insts.append(await FakeInstance(stub, info(p, pb.ROLE_PREFILL)).start())
-    await wait_for(lambda: all(i.acks for i in insts))
-    return insts
-
-
-async def _close(insts: list[FakeInstance]) -> None:
-    for i in insts:
-        await i.close()
 
 
 async def _assign(stub: Any, handoff: bool = True) -> pb.Assignment:
@@ -66,7 +53,7 @@ def _counted(server: Any, result: str) -> float:
 def test_the_frontend_gets_prefills_token_when_it_is_reported_and_at_once_after() -> None:
     async def body() -> None:
         async with scheduler(interval_s=1.0) as (server, stub, _):
-            insts = await _engines(stub)
+            insts = await handoff_engines(stub)
             a = await _assign(stub)
             call = await _waiting(server, stub, a)
             assert not call.done()
@@ -82,7 +69,7 @@ def test_the_frontend_gets_prefills_token_when_it_is_reported_and_at_once_after(
             assert (await _await(stub, a)).token_id == 11
             assert _counted(server, "answered") == 3
             assert not server.servicer._first_tokens.waiters and server.servicer._awaiting_first_token == 0
-            await _close(insts)
+            await close_instances(insts)
 
     run(body())
 
@@ -94,7 +81,7 @@ def test_a_token_from_a_prefill_that_is_not_the_transfers_is_never_answered() ->
 
     async def body() -> None:
         async with scheduler(interval_s=1.0) as (server, stub, _):
-            insts = await _engines(stub, ("p0", "p1"))
+            insts = await handoff_engines(stub, ("p0", "p1"))
             a = await _assign(stub)
             other = "p1" if a.prefill.engine_id == "p0" else "p0"
             call = await _waiting(server, stub, a)
@@ -104,7 +91,7 @@ def test_a_token_from_a_prefill_that_is_not_the_transfers_is_never_answered() ->
             await _report(stub, a.prefill.engine_id, a, 11)
             got = await asyncio.wait_for(call, WAIT_S)
             assert (got.token_id, got.prefill_engine_id) == (11, a.prefill.engine_id)
-            await _close(insts)
+            await close_instances(insts)
 
     run(body())
 
@@ -116,7 +103,7 @@ def test_a_rerouted_transfers_token_comes_from_its_new_prefill() -> None:
 
     async def body() -> None:
         async with scheduler(interval_s=1.0) as (server, stub, _):
-            insts = await _engines(stub, ("p0", "p1"))
+            insts = await handoff_engines(stub, ("p0", "p1"))
             a = await _assign(stub)
             first = a.prefill.engine_id
             call = await _waiting(server, stub, a)
@@ -136,7 +123,7 @@ def test_a_rerouted_transfers_token_comes_from_its_new_prefill() -> None:
             got = await asyncio.wait_for(call, WAIT_S)
             assert (got.token_id, got.prefill_engine_id) == (12, new)
             assert (await _await(stub, a, epoch=moved.epoch)).token_id == 12
-            await _close(insts)
+            await close_instances(insts)
 
     run(body())
 
@@ -144,7 +131,7 @@ def test_a_rerouted_transfers_token_comes_from_its_new_prefill() -> None:
 def test_calls_that_cannot_be_answered_get_their_status_and_wait_for_nothing() -> None:
     async def body() -> None:
         async with scheduler(interval_s=1.0, max_first_token_awaits=1) as (server, stub, _):
-            insts = await _engines(stub)
+            insts = await handoff_engines(stub)
             a = await _assign(stub)
             plain = await _assign(stub, handoff=False)
 
@@ -181,7 +168,7 @@ def test_calls_that_cannot_be_answered_get_their_status_and_wait_for_nothing() -
             call = await _waiting(server, stub, b)
             insts[0].cancel()
             assert await _code(call) is grpc.StatusCode.ABORTED
-            await _close(insts[1:])
+            await close_instances(insts[1:])
 
     run(body())
 
@@ -189,7 +176,7 @@ def test_calls_that_cannot_be_answered_get_their_status_and_wait_for_nothing() -
 def test_a_waiting_call_ends_when_the_scheduler_shuts_down() -> None:
     async def body() -> None:
         async with scheduler(interval_s=1.0) as (server, stub, _):
-            insts = await _engines(stub)
+            insts = await handoff_engines(stub)
             a = await _assign(stub)
             call = await _waiting(server, stub, a)
             stopping = asyncio.ensure_future(server.stop(WAIT_S))
