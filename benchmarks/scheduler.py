@@ -111,8 +111,12 @@ class Bench:
         self._n += 1
         return self.stubs[self._n % len(self.stubs)]
 
-    async def register(self, decodes: int, prefills: int, http_endpoint: str = "http://127.0.0.1:1") -> None:
-        """``http_endpoint``: the OpenAI server every fake instance names (none answers by default)."""
+    async def register(
+        self, decodes: int, prefills: int, http_endpoint: str = "http://127.0.0.1:1", handoff: bool = False
+    ) -> None:
+        """``http_endpoint``: the OpenAI server every fake instance names (none answers by default);
+        ``handoff``: the decodes take the first-token hand-off (then a ``Generate`` through them
+        waits for a token the fake prefills never report)."""
         for i, (_, name) in enumerate(_instance_names(decodes, prefills)):
             role = pb.ROLE_DECODE if i < decodes else pb.ROLE_PREFILL
             self.channels.append(_security(self.certs, name).aio_channel(self.address))
@@ -126,7 +130,7 @@ class Bench:
                 total_kv_blocks=4_000_000,
                 tokens_per_block=16,
                 http_endpoint=http_endpoint,
-                first_token_handoff=role == pb.ROLE_DECODE,
+                first_token_handoff=handoff and role == pb.ROLE_DECODE,
             )
             if role == pb.ROLE_PREFILL:
                 self.prefill_stubs[name] = stub
@@ -530,7 +534,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     try:
         await _wait_serving(address, proc, certs)
         bench = Bench(address, args.channels, certs)
-        await bench.register(args.decodes, args.prefills)
+        await bench.register(args.decodes, args.prefills, handoff=bool(args.handoff_rates))
         await bench.open_loop(min(args.rate, 500), 1.0, "inline")  # warm-up
         load_before = os.getloadavg()
         calibration_before = cpu_calibration_ms()
