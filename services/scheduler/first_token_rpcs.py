@@ -69,36 +69,62 @@ class FirstTokenRpcs(ServicerCore):
             problem = grpc.StatusCode.FAILED_PRECONDITION, "a Generate call's assignment: Generate streams its token"
         elif not rec.first_token:
             problem = grpc.StatusCode.FAILED_PRECONDITION, "the assignment was not granted the first-token hand-off"
-        elif rec.sampled is None and self._awaiting_first_token >= self.config.max_first_token_awaits:
-            problem = (
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{self.config.max_first_token_awaits} AwaitFirstToken calls are waiting already",
-            )
+        elif (full := self._awaits_full(rec)) is not None:
+            problem = grpc.StatusCode.RESOURCE_EXHAUSTED, full
         if problem is not None:
             counted.labels("refused").inc()
             await self._refuse(context, "AwaitFirstToken", *problem)
         assert rec is not None
-        fut = self._first_tokens.wait_for(rec)
-        self._awaiting_first_token += 1
+        fut = self._begin_wait(rec)
         try:
             await asyncio.wait({fut})
         except asyncio.CancelledError:
             counted.labels("cancelled").inc()
             raise
         finally:
-            self._awaiting_first_token -= 1
-            self._first_tokens.forget(rec.transfer_id, fut)
-        if fut.cancelled():
-            counted.labels("closed").inc()
-            if self.shutting_down:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down")
-            why = f"the assignment closed before its first token came: {rec.reason or rec.state.value}"
-            self.log.info("first_token_await_closed", transfer_id=rec.transfer_id, reason=rec.reason)
-            await context.abort(grpc.StatusCode.ABORTED, why)
-        token = fut.result()
-        counted.labels("answered").inc()
-        return pb.AwaitFirstTokenResponse(
-            token_id=token.token_id, stopped=token.stopped, prefill_engine_id=token.prefill_engine_id
+            self._end_wait(rec.transfer_id, fut)
+        answer = self._waited(rec, fut)
+        if isinstance(answer, tuple):
+            await context.abort(*answer)
+            raise AssertionError("unreachable")
+        return answer
+
+    # ---------------------------------------------------------------- one wait, either RPC
+
+    def _awaits_full(self, rec: AssignmentRecord) -> str | None:
+        """Why no more waits for ``rec``'s token may start (the shared bound), or None."""
+        limit = self.config.max_first_token_awaits
+        if rec.sampled is None and self._awaiting_first_token >= limit:
+            return f"{limit} first-token waits are pending already"
+        return None
+
+    def _begin_wait(self, rec: AssignmentRecord) -> asyncio.Future[SampledToken]:
+        self._awaiting_first_token += 1
+        return self._first_tokens.wait_for(rec)
+
+    def _end_wait(self, transfer_id: str, fut: asyncio.Future[SampledToken]) -> None:
+        self._awaiting_first_token -= 1
+        self._first_tokens.forget(transfer_id, fut)
+
+    def _waited(
+        self, rec: AssignmentRecord, fut: asyncio.Future[SampledToken]
+    ) -> pb.AwaitFirstTokenResponse | tuple[grpc.StatusCode, str]:
+        """A settled wait's answer: the token, or the status it ends with (its assignment closed
+        first, or the scheduler is shutting down); counted."""
+        counted = self.metrics.first_token_awaits
+        if not fut.cancelled():
+            token = fut.result()
+            counted.labels("answered").inc()
+            return pb.AwaitFirstTokenResponse(
+                token_id=token.token_id, stopped=token.stopped, prefill_engine_id=token.prefill_engine_id
+            )
+        counted.labels("closed").inc()
+        if self.shutting_down:
+            return grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down"
+        self.log.info("first_token_await_closed", transfer_id=rec.transfer_id, reason=rec.reason)
+        return (
+            grpc.StatusCode.ABORTED,
+            f"the assignment closed before its first token came: {rec.reason or rec.state.value}",
         )
 
     # ---------------------------------------------------------------- first tokens on AssignStream
@@ -107,16 +133,14 @@ class FirstTokenRpcs(ServicerCore):
         """An ``AssignStream`` batch asked for the first token of ``rec`` (just assigned, granted
         the hand-off): its result goes out on that stream when it comes, as ``AwaitFirstToken``
         would answer it; the same bound on waits applies."""
-        limit = self.config.max_first_token_awaits
-        if rec.sampled is None and self._awaiting_first_token >= limit:
+        reason = self._awaits_full(rec)
+        if reason is not None:
             self.metrics.first_token_awaits.labels("refused").inc()
-            reason = f"{limit} first-token waits are pending already"
             self.log.warning("request_refused", method="AssignStream", code="RESOURCE_EXHAUSTED", reason=reason)
             code = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
             stream.push(pb.FirstTokenResult(transfer_id=rec.transfer_id, epoch=rec.epoch, code=code, message=reason))
             return
-        fut = self._first_tokens.wait_for(rec)
-        self._awaiting_first_token += 1
+        fut = self._begin_wait(rec)
         stream.waits[fut] = rec.transfer_id
         fut.add_done_callback(partial(self._streamed_first_token, stream, rec, rec.epoch))
 
@@ -125,23 +149,13 @@ class FirstTokenRpcs(ServicerCore):
     ) -> None:
         if stream.waits.pop(fut, None) is None:  # the stream ended first
             return
-        self._awaiting_first_token -= 1
-        self._first_tokens.forget(rec.transfer_id, fut)
+        self._end_wait(rec.transfer_id, fut)
         result = pb.FirstTokenResult(transfer_id=rec.transfer_id, epoch=epoch)
-        if fut.cancelled():
-            self.metrics.first_token_awaits.labels("closed").inc()
-            if self.shutting_down:
-                code, result.message = grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down"
-            else:
-                code = grpc.StatusCode.ABORTED
-                result.message = f"the assignment closed before its first token came: {rec.reason or rec.state.value}"
-                self.log.info("first_token_await_closed", transfer_id=rec.transfer_id, reason=rec.reason)
-            result.code = code.value[0]
+        answer = self._waited(rec, fut)
+        if isinstance(answer, tuple):
+            result.code, result.message = answer[0].value[0], answer[1]
         else:
-            token = fut.result()
-            self.metrics.first_token_awaits.labels("answered").inc()
-            result.token.token_id, result.token.stopped = token.token_id, token.stopped
-            result.token.prefill_engine_id = token.prefill_engine_id
+            result.token.CopyFrom(answer)
         stream.push(result)
 
     def _end_streamed_first_tokens(self, stream: StreamedFirstTokens) -> None:
@@ -149,7 +163,6 @@ class FirstTokenRpcs(ServicerCore):
         ``AwaitFirstToken`` still answers them)."""
         waits, stream.waits = stream.waits, {}
         for fut, transfer_id in waits.items():
-            self._awaiting_first_token -= 1
-            self._first_tokens.forget(transfer_id, fut)
+            self._end_wait(transfer_id, fut)
             fut.cancel()
             self.metrics.first_token_awaits.labels("cancelled").inc()
