@@ -65,7 +65,17 @@ from typing import Any
 import numpy as np
 
 from benchmarks.calibration import cpu_calibration_ms
-from benchmarks.serving_model import KINDS, ROOT, ModelInfo, Point, PointResult, Sample, percentile, summarize
+from benchmarks.serving_model import (
+    KINDS,
+    OURS_KINDS,
+    ROOT,
+    ModelInfo,
+    Point,
+    PointResult,
+    Sample,
+    percentile,
+    summarize,
+)
 from benchmarks.serving_proxies import (
     Client,
     Proxy,
@@ -267,16 +277,24 @@ class Harness:
         servers: list[tuple[Any, int | None]] = []
         try:
             p_side, d_side = free_port(), free_port()
-            if kind == "ours":
-                (self.run_dir / "ours").mkdir(parents=True, exist_ok=True)
-                sched = start_scheduler(self.run_dir / "ours")
+            if kind in OURS_KINDS:
+                (self.run_dir / kind).mkdir(parents=True, exist_ok=True)
+                local: list[str] = []
+                if kind == "ours_local":
+                    local = [
+                        "--local-prefill-wait-ms",
+                        str(a.local_prefill_wait_ms),
+                        "--local-prefill-max-tokens",
+                        str(a.local_prefill_max_tokens),
+                    ]
+                sched = start_scheduler(self.run_dir / kind, extra_args=local)
             for role, core, side, extra_env in (
                 ("prefill", self.p_core, p_side, a.prefill_env),
                 ("decode", self.d_core, d_side, a.decode_env),
             ):
                 env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(side), **_env_pairs(extra_env)}
                 engine = f"{kind}-{role}-{uuid.uuid4().hex[:6]}"
-                if kind == "ours":
+                if kind in OURS_KINDS:
                     assert sched is not None
                     port = free_port()
                     kv = connector_config(
@@ -670,9 +688,12 @@ async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[P
                 logs = (pair.prefill.log_path, pair.decode.log_path)
                 async with pair.scheduler.security().aio_channel(pair.scheduler.address) as ch:
                     stub = pb_grpc.SchedulerStub(ch)
-                    ours = [("ours", ours_proxy(client, stub)), ("ours_ft", ours_ft_proxy(client, stub))]
-                    if not a.no_grpc:
-                        ours.append(("ours_grpc", grpc_proxy(stub)))
+                    if kind == "ours_local":
+                        ours = [("ours_local", ours_ft_proxy(client, stub))]
+                    else:
+                        ours = [("ours", ours_proxy(client, stub)), ("ours_ft", ours_ft_proxy(client, stub))]
+                        if not a.no_grpc:
+                            ours.append(("ours_grpc", grpc_proxy(stub)))
                     if plain is not None:
                         ours.append(("single_paired", single_proxy(client, plain.base_url)))
                     if a.interleave or plain is not None:
@@ -705,7 +726,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument(
         "--setups",
         default="single,two_plain,pull,push,ours",
-        help="comma list of single,two_plain,pull,push,ours (ours also runs ours_grpc unless --no-grpc)",
+        help="comma list of single,two_plain,pull,push,ours,ours_local (ours also runs ours_grpc unless --no-grpc; "
+        "ours_local: ours_ft with the scheduler's local prefill, --local-prefill-*)",
+    )
+    ap.add_argument(
+        "--local-prefill-wait-ms",
+        type=float,
+        default=150.0,
+        help="ours_local: the scheduler's --local-prefill-wait-ms (prefill on decode past this prefill queue)",
+    )
+    ap.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=0,
+        help="ours_local: the scheduler's --local-prefill-max-tokens (prompts this short prefill on decode)",
     )
     ap.add_argument("--no-grpc", action="store_true", help="skip the ours_grpc (scheduler Generate) runs")
     ap.add_argument(

@@ -13,8 +13,11 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 # Result names, report order; ``single_paired``: one plain vLLM in our setups' arrival stream (--paired-single-core).
-SETUPS = ("single", "two_plain", "pull", "push", "ours", "ours_ft", "ours_grpc", "single_paired")
-PAIRS = ("pull", "push", "ours")  # P/D pairs to start; ``ours`` serves ``ours``, ``ours_ft`` and ``ours_grpc``
+SETUPS = ("single", "two_plain", "pull", "push", "ours", "ours_ft", "ours_grpc", "ours_local", "single_paired")
+# P/D pairs to start; ``ours`` serves ``ours``, ``ours_ft`` and ``ours_grpc``; ``ours_local`` is
+# ``ours_ft`` on a pair whose scheduler has local prefill on (--local-prefill-*)
+PAIRS = ("pull", "push", "ours", "ours_local")
+OURS_KINDS = ("ours", "ours_local")  # pairs with our scheduler
 KINDS = ("single", "two_plain", *PAIRS)  # what ``--setups`` names
 SUSTAINED = 0.9  # a point is sustained when throughput >= 0.9 x offered rate and nothing failed
 
@@ -77,6 +80,7 @@ class Sample:
     # ours_ft: when the prefill leg's answer (with the same first token) came, after ``sent``
     ttft_answer: float = math.nan
     sent_wall: float = math.nan  # time.time() at send, to compare with log timestamps
+    on_decode: bool = False  # ours, ours_ft: the scheduler had the decode prefill it (local prefill)
 
 
 @dataclass
@@ -117,6 +121,7 @@ class PointResult:
     # The share of the point's arrivals this setup got: 1 unless setups were interleaved in one
     # arrival stream (``--interleave``), where throughput and goodput are scaled by 1 / share.
     share: float = 1.0
+    on_decode: int = 0  # requests the scheduler had their decode prefill (local prefill)
 
     @property
     def goodput_duration_s(self) -> float:
@@ -156,4 +161,5 @@ def summarize(setup: str, point: Point, samples: list[Sample], share: float = 1.
         tpot_rest_p50_ms=percentile([s.tpot_rest for s in good], 50),
         ttft_answer_p50_ms=percentile([s.ttft_answer for s in good], 50),
         share=share,
+        on_decode=sum(s.on_decode for s in samples),
     )

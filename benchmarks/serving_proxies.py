@@ -228,6 +228,13 @@ async def both_legs(
             await prefill  # also retrieves a failure of P when D failed first
 
 
+async def on_decode(c: Client, a: Any, prompt: list[int], max_tokens: int, rid: str, s: Sample) -> None:
+    """An assignment prefilled on its decode (local prefill): one plain request to decode, whole,
+    without kv_transfer_params (docs/scheduler.md, "Local prefill")."""
+    s.on_decode = True
+    await c.stream(a.decode.http_endpoint, prompt, max_tokens, None, rid, s)
+
+
 async def release_assignment(stub: Any, a: Any, outcome: int) -> None:
     """Releases an Assign's assignment, best effort (it expires by TTL otherwise)."""
     from kvpush.v1 import kvpush_pb2 as pb
@@ -244,10 +251,15 @@ def ours_proxy(c: Client, stub: Any) -> Proxy:
 
     async def run(prompt: list[int], max_tokens: int, s: Sample) -> None:
         rid = uuid.uuid4().hex
-        a = await stub.Assign(pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=max_tokens), timeout=30)
+        req = pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=max_tokens, allow_prefill_on_decode=True)
+        a = await stub.Assign(req, timeout=30)
         s.transfer_id = a.transfer_id
         outcome = pb.OUTCOME_FAILED
         try:
+            if a.prefill_on_decode:
+                await on_decode(c, a, prompt, max_tokens, rid, s)
+                outcome = pb.OUTCOME_OK
+                return
             await both_legs(
                 c,
                 a.prefill.http_endpoint,
@@ -280,7 +292,12 @@ def ours_ft_proxy(c: Client, stub: Any) -> Proxy:
         if max_tokens < 2:
             raise RuntimeError("ours_ft needs max_tokens >= 2")
         rid = uuid.uuid4().hex
-        req = pb.AssignRequest(prompt_tokens=len(prompt), max_tokens=max_tokens, first_token_from_prefill=True)
+        req = pb.AssignRequest(
+            prompt_tokens=len(prompt),
+            max_tokens=max_tokens,
+            first_token_from_prefill=True,
+            allow_prefill_on_decode=True,
+        )
         a = await stub.Assign(req, timeout=30)
         s.transfer_id = a.transfer_id
         outcome = pb.OUTCOME_FAILED
@@ -300,6 +317,10 @@ def ours_ft_proxy(c: Client, stub: Any) -> Proxy:
             first.append((time.monotonic(), int(ids[0])))
 
         try:
+            if a.prefill_on_decode:
+                await on_decode(c, a, prompt, max_tokens, rid, s)
+                outcome = pb.OUTCOME_OK
+                return
             if not a.first_token_from_prefill:
                 raise RuntimeError("the scheduler did not grant the first-token hand-off")
             # The prefill leg goes on the wire first (the first token is its), then the wait for

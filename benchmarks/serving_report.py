@@ -209,8 +209,9 @@ def markdown(res: dict[str, Any]) -> str:
             handoff = dmap.get((length, out, rate), {}).get(f"handoff_{name}_ms")
             sus = "" if r["sustained"] else " †"
             met = "–" if r.get("slo_attainment") is None else f"{r['slo_attainment'] * 100:.0f} %"
+            setup = f"{name} ({r['on_decode']} prefilled on D)" if r.get("on_decode") else name
             lines.append(
-                f"| {length} | {r.get('max_tokens')} | {rate:g} | {r['requests']} | {name} | {r['ok']} | "
+                f"| {length} | {r.get('max_tokens')} | {rate:g} | {r['requests']} | {setup} | {r['ok']} | "
                 f"{_f(r['ttft_p50_ms'])} | {_f(r['ttft_p99_ms'])} | {_f(r['tpot_p50_ms'], 2)} | "
                 f"{_f(r['tpot_p99_ms'], 2)} | {_f(r.get('gap2_p50_ms'), 2)} | {_f(r.get('tpot_rest_p50_ms'), 2)} | "
                 f"{_f(r['throughput_rps'], 2)}{sus} | {met} | "

@@ -13,6 +13,7 @@ import grpc
 
 from kvpush.services.common.security import Security
 from kvpush.services.scheduler.convert import LegSealer
+from kvpush.services.scheduler.local_prefill import LocalPrefillConfig
 from kvpush.services.scheduler.registry import LeaseConfig
 from kvpush.services.scheduler.server import SchedulerConfig, SchedulerServer
 from kvpush.services.scheduler.servicer import ServicerConfig
@@ -35,6 +36,7 @@ async def scheduler(
     security: Security | None = None,
     client: Security | None = None,
     leg_signer: LegSealer | None = None,
+    local_prefill: LocalPrefillConfig | None = None,
     **servicer: Any,
 ) -> AsyncIterator[tuple[SchedulerServer, pb_grpc.SchedulerStub, grpc.aio.Channel]]:
     """``security``: the server's (None: plaintext); ``client``: the returned channel's (None:
@@ -44,6 +46,7 @@ async def scheduler(
             listen="127.0.0.1:0",
             lease=LeaseConfig(interval_s=interval_s, misses=misses, settle_s=settle_s),
             decode_policy=policy,
+            local_prefill=local_prefill or LocalPrefillConfig(),
             servicer=ServicerConfig(**servicer),
             security=security,
             leg_signer=leg_signer,

@@ -40,9 +40,17 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
     return [(37 * j + 11 * seed) % 1000 + 3 for j in range(n)]
 
 
+LOCAL_PREFILL_MAX = 40  # prompts this short prefill on decode (local prefill); LENGTHS are all longer
+
+
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDCluster]:
-    with pd_cluster(tiny_model_dir, tmp_path_factory.mktemp("pd-logs"), legs="mac") as c:
+    with pd_cluster(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("pd-logs"),
+        legs="mac",
+        scheduler_args=("--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX)),
+    ) as c:
         yield c
 
 
@@ -166,6 +174,46 @@ def test_generate_refuses_a_token_outside_the_vocabulary_and_the_engines_live_on
     assert cluster.prefill.running and cluster.decode.running
     tokens, _ = cluster.generate(prompt_of(50), MAX_TOKENS)
     assert tokens == expected[50]
+
+
+def _all_prompt_tokens(server: VllmServer) -> float:
+    """Every prompt token the server counted, whatever its source (0 before its first request)."""
+    try:
+        return sum(prompt_sources(server).values())
+    except AssertionError:  # no counters exported yet
+        return 0.0
+
+
+def test_short_prompts_prefill_on_decode_and_equal_one_instance(cluster: PDCluster, free_baseline: int) -> None:
+    """Local prefill (--local-prefill-max-tokens): Generate sends a prompt this short to decode
+    alone, as a plain request; the output is one instance's, prefill sees nothing of it, and
+    decode's blocks all come back. A longer prompt in the same stretch is still pushed."""
+    lengths = [1, 17, LOCAL_PREFILL_MAX]
+    want = {n: complete(cluster.baseline.base_url, prompt_of(n, seed=61), MAX_TOKENS)[0] for n in lengths}  # type: ignore[union-attr]
+    prefill_before, decode_before = _all_prompt_tokens(cluster.prefill), prompt_sources(cluster.decode)
+    for n in lengths:
+        req = pb.GenerateRequest(prompt_token_ids=prompt_of(n, seed=61), max_tokens=MAX_TOKENS, ignore_eos=True)
+        msgs = list(cluster.stub.Generate(req, timeout=60))
+        assert [t for m in msgs for t in m.token_ids] == want[n], n
+        assert {m.prefill_engine_id for m in msgs} == {""}, "a prompt prefilled on decode names no prefill"
+        assert {m.decode_engine_id for m in msgs} == {"decode-0"}
+    decode_after = prompt_sources(cluster.decode)
+    assert _all_prompt_tokens(cluster.prefill) == prefill_before, "prefill computed a short prompt"
+    assert _delta(decode_after, decode_before, "local_compute") >= sum(lengths) - len(lengths), (
+        decode_before,
+        decode_after,
+    )
+    # One token over the limit goes through prefill and the push, as before.
+    n = LOCAL_PREFILL_MAX + 1
+    before = prompt_sources(cluster.decode)
+    req = pb.GenerateRequest(prompt_token_ids=prompt_of(n, seed=62), max_tokens=MAX_TOKENS, ignore_eos=True)
+    msgs = list(cluster.stub.Generate(req, timeout=60))
+    assert [t for m in msgs for t in m.token_ids] == complete(
+        cluster.baseline.base_url, prompt_of(n, seed=62), MAX_TOKENS
+    )[0]  # type: ignore[union-attr]
+    assert {m.prefill_engine_id for m in msgs} == {"prefill-0"}
+    assert_pushed(before, prompt_sources(cluster.decode), [n])
+    assert idle_all_free(cluster, pb.ROLE_DECODE) == free_baseline
 
 
 def test_transferred_kv_is_what_decode_uses(cluster: PDCluster) -> None:

@@ -34,6 +34,7 @@ class FakeVllm:
     hang: bool = False  # never answer (until the client goes away)
     gate: asyncio.Event | None = None  # decode waits for it before its last token
     start_gate: asyncio.Event | None = None  # decode waits for it before its first token (or its error)
+    plain: bool = False  # serve a request without kv_transfer_params (else 400), as local prefill sends
     requests: list[dict[str, Any]] = field(default_factory=list)
     model_calls: int = 0
     received: asyncio.Event = field(default_factory=asyncio.Event)
@@ -73,9 +74,9 @@ class FakeVllm:
                     await self.start_gate.wait()
                 return web.Response(status=self.status, text=f"{self.role} exploded: out of cheese")
             # Both legs must carry our kv_transfer_params, and of the right role.
-            leg = transfer_params.parse(body["kv_transfer_params"])
+            leg = transfer_params.parse(body.get("kv_transfer_params"))
             expected = transfer_params.DecodeLeg if self.role == "decode" else transfer_params.PrefillLeg
-            if not isinstance(leg, expected):
+            if not isinstance(leg, expected) and not (self.plain and "kv_transfer_params" not in body):
                 return web.Response(status=400, text=f"bad kv_transfer_params: {body['kv_transfer_params']}")
             if not body["stream"]:
                 return web.json_response(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -109,16 +109,17 @@ def pd_cluster(
     prefills: int = 1,
     legs: LegAuthMode = "sign",
     metrics: bool = False,
+    scheduler_args: Sequence[str] = (),
 ) -> Iterator[PDCluster]:
     """``prefill_tp``/``decode_tp`` > 1 spread that instance's ranks over all cores; ``prefills``
     instances of prefill (prefill-0, prefill-1, ...). Every gRPC hop uses mTLS with certificates from
     ``cert_dir`` (made if missing; default ``log_dir/certs``). ``legs``: how the scheduler
     authenticates kv_transfer_params legs (``sign``: Ed25519; ``mac``: per-engine HMAC keys).
     ``metrics``: each instance serves its connector's Prometheus metrics (rank r on its
-    ``metrics_ports`` entry + r)."""
+    ``metrics_ports`` entry + r). ``scheduler_args``: more scheduler flags."""
     log_dir.mkdir(parents=True, exist_ok=True)
     on = cores()
-    sched = start_scheduler(log_dir, cert_dir=cert_dir, legs=legs)
+    sched = start_scheduler(log_dir, cert_dir=cert_dir, legs=legs, extra_args=scheduler_args)
     servers: list[tuple[VllmServer, int | None]] = []
     metrics_ports: dict[str, int] = {}
     env_common = {

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -103,13 +104,14 @@ def start_scheduler(
     legs: LegAuthMode = "sign",
     cert_dir: Path | None = None,
     tls: bool = True,
+    extra_args: Sequence[str] = (),
 ) -> SchedulerProcess:
     """``legs``: ``sign``: a fresh Ed25519 pair under ``log_dir/leg-keys`` signs every leg
     (connectors get the public key through ``connector_extra()``); ``mac``: every leg MACed with its
     engine's key, derived from ``cert_dir``'s ``leg-mac.key`` (needs ``tls``); ``none``: an
     ``--insecure`` scheduler, unsigned legs. ``tls``: mutual TLS with the certificates in
     ``cert_dir`` (made or completed here; default ``log_dir/certs``); False: plaintext gRPC
-    (``--insecure``)."""
+    (``--insecure``). ``extra_args``: more scheduler flags (e.g. ``--local-prefill-wait-ms 150``)."""
     cert_dir = make_certs(cert_dir or log_dir / "certs") if tls else None
     port = free_port()
     address = f"127.0.0.1:{port}"
@@ -135,6 +137,7 @@ def start_scheduler(
         *(["--leg-mac-key", str(master)] if master is not None else []),
         *(_tls_flags(TlsFiles.in_dir(cert_dir, "scheduler")) if cert_dir is not None else []),
         *(["--insecure"] if legs == "none" or cert_dir is None else []),
+        *extra_args,
     ]
     sched = SchedulerProcess(address, _spawn(argv, log_path), log_path, key, pub, master, cert_dir, argv)
     _wait_accepting(sched)

@@ -126,7 +126,7 @@ def outcome_from_pb(value: int) -> Outcome:
 
 def leg_params(rec: AssignmentRecord, signer: LegSealer | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """The kv_transfer_params dicts of the prefill and decode legs (shared contract, to_params),
-    signed by ``signer`` when given."""
+    signed by ``signer`` when given. Not for an assignment prefilled on its decode (no legs)."""
     prefill, decode = _leg_fields(rec, signer)
     return {transfer_params.KEY: prefill}, {transfer_params.KEY: decode}
 
@@ -135,6 +135,8 @@ def _leg_fields(rec: AssignmentRecord, signer: LegSealer | None) -> tuple[dict[s
     """Both legs' fields: the cached templates patched with this assignment's transfer id and epoch,
     then, with a signer, the expiry and each leg's signature (over every field but ``sig``)."""
     key = transfer_params.KEY
+    if rec.prefill is None:
+        raise ValueError(f"transfer {rec.transfer_id} is prefilled on its decode: it has no legs")
     per_assignment: dict[str, Any] = {"transfer_id": rec.transfer_id, "epoch": rec.epoch}
     if rec.first_token:
         per_assignment["first_token"] = True
@@ -191,7 +193,16 @@ def _struct(d: dict[str, Any]) -> struct_pb2.Struct:
     return s
 
 
+def _on_decode(rec: AssignmentRecord) -> pb.Assignment:
+    """The answer for an assignment prefilled on its decode: the decode instance only, no legs."""
+    a = pb.Assignment(transfer_id=rec.transfer_id, epoch=rec.epoch, prefill_on_decode=True)
+    a.decode.CopyFrom(_info(rec.decode))
+    return a
+
+
 def assignment_to_pb(rec: AssignmentRecord, signer: LegSealer | None = None) -> pb.Assignment:
+    if rec.prefill is None:
+        return _on_decode(rec)
     a = pb.Assignment(transfer_id=rec.transfer_id, epoch=rec.epoch, first_token_from_prefill=rec.first_token)
     a.prefill.CopyFrom(_info(rec.prefill))
     a.decode.CopyFrom(_info(rec.decode))
@@ -234,6 +245,9 @@ def fill_assignments(pairs: list[tuple[AssignmentRecord, pb.Assignment]], signer
     patch: list[Any] = []  # per leg, the Struct fields to set expires_at, sig and proof in
     expires_at = signer.expiry() if signer is not None else 0.0
     for rec, a in pairs:
+        if rec.prefill is None:
+            a.CopyFrom(_on_decode(rec))
+            continue
         template, prefill_bytes, decode_bytes = _pair_template(rec.prefill, rec.decode, rec.first_token)
         a.CopyFrom(template)
         a.transfer_id = rec.transfer_id
@@ -265,18 +279,28 @@ def fill_compact(pairs: list[tuple[AssignmentRecord, pb.CompactAssignment]], sig
     expires_at = signer.expiry() if signer is not None else 0.0
     canonical: list[bytes] = []
     readers: list[str] = []
-    for rec, _ in pairs:
+    with_legs: list[tuple[AssignmentRecord, pb.CompactAssignment]] = []
+    for rec, c in pairs:
+        if rec.prefill is None:
+            c.transfer_id = rec.transfer_id
+            c.epoch = rec.epoch
+            c.decode_engine_id = rec.decode.engine_id
+            c.decode_http_endpoint = rec.decode.http_endpoint
+            c.prefill_on_decode = True
+            continue
         _, prefill_bytes, decode_bytes = _pair_template(rec.prefill, rec.decode, rec.first_token)
         canonical.append(prefill_bytes.render(rec.transfer_id, rec.epoch, expires_at))
         canonical.append(decode_bytes.render(rec.transfer_id, rec.epoch, expires_at))
         readers.append(rec.prefill.engine_id)
         readers.append(rec.decode.engine_id)
+        with_legs.append((rec, c))
     if not canonical:
         return
     auth = signer.seal_batch_bytes(canonical, readers) if signer is not None else [("", "", "")] * len(canonical)
     params_json = transfer_params.splice_params_json  # canonical bytes and base64url made just above
-    for i, (rec, c) in enumerate(pairs):
+    for i, (rec, c) in enumerate(with_legs):
         prefill, decode = rec.prefill, rec.decode
+        assert prefill is not None  # with_legs has only those
         c.transfer_id = rec.transfer_id
         c.epoch = rec.epoch
         c.prefill_engine_id = prefill.engine_id

@@ -82,10 +82,14 @@ class FirstTokenRelay:
         if len(report.first_tokens) > limits.MAX_EXPECTATIONS_PER_CALL:
             self.log.warning("first_tokens_refused", engine_id=report.engine_id, reason="too many in one report")
             return f"at most {limits.MAX_EXPECTATIONS_PER_CALL} first tokens in one report"
+        backlog = inst.backlog  # local prefill's queue estimate: this engine's prefills are done
+        now = self.registry.clock() if backlog is not None else 0.0
         for ft in report.first_tokens:
             if max(len(ft.transfer_id), len(ft.decode_engine_id)) > limits.MAX_ID_CHARS or not ft.transfer_id:
                 self.log.warning("first_token_refused", engine_id=report.engine_id, reason="bad ids")
                 continue
+            if backlog is not None:
+                backlog.finished(ft.transfer_id, now)
             relayed = pb.FirstToken(
                 transfer_id=ft.transfer_id,
                 decode_engine_id=ft.decode_engine_id,
@@ -120,7 +124,7 @@ class FirstTokenRelay:
         for owner in owners:
             if not owner.first_token or owner.sampled is not None:
                 continue
-            if prefill == owner.prefill.engine_id or prefill in owner.tried_prefills:
+            if (owner.prefill is not None and prefill == owner.prefill.engine_id) or prefill in owner.tried_prefills:
                 owner.sampled = SampledToken(int(ft.token_id), bool(ft.stopped), prefill)
             else:
                 self.log.warning(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -186,7 +186,7 @@ class OpenAIClient:
             return False
 
     def _body(
-        self, model: str, p: GenerateParams, params: dict[str, Any], stream: bool, max_tokens: int | None = None
+        self, model: str, p: GenerateParams, params: dict[str, Any] | None, stream: bool, max_tokens: int | None = None
     ) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": model,
@@ -199,8 +199,9 @@ class OpenAIClient:
             # prefill core, right when the first-token hand-off's push needs that core).
             "return_token_ids": stream,
             "stream": stream,
-            "kv_transfer_params": params,
         }
+        if params is not None:  # None: a plain request (a decode that prefills it itself)
+            body["kv_transfer_params"] = params
         if p.seed is not None:
             body["seed"] = p.seed
         return body
@@ -217,7 +218,7 @@ class OpenAIClient:
             raise LegError("prefill", f"POST {url}: {exc!r}", unavailable=True) from exc
 
     async def decode(
-        self, endpoint: str, p: GenerateParams, params: dict[str, Any], max_tokens: int | None = None
+        self, endpoint: str, p: GenerateParams, params: dict[str, Any] | None, max_tokens: int | None = None
     ) -> AsyncIterator[Chunk]:
         """The streamed chunks. Reads whatever has arrived and splits it into lines itself (one
         await per read, not one per line); a stream silent for the read timeout fails the leg."""
@@ -325,9 +326,13 @@ async def run_legs(
     ``lost_stall_s`` > 0: once the decode leg has streamed (its KV landed, so the request needs
     nothing more of the assignment), losing the assignment (its decode's lease ran out: a decode
     starved of CPU looks like a dead one) does not end the call; decode's own stream decides, and
-    the call ends with AssignmentLost only if no chunk comes for ``lost_stall_s`` after it."""
-    prefill_params, decode_params = leg_params(rec, signer)
-    handoff = rec.first_token and first_token is not None
+    the call ends with AssignmentLost only if no chunk comes for ``lost_stall_s`` after it.
+
+    An assignment without a prefill (its decode prefills the request itself) sends one plain request
+    to decode, whole, with no kv_transfer_params."""
+    prefill_spec = rec.prefill
+    prefill_params, decode_params = leg_params(rec, signer) if prefill_spec is not None else ({}, None)
+    handoff = rec.first_token and first_token is not None and prefill_spec is not None
     q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
     async def decode_leg() -> None:
@@ -342,9 +347,10 @@ async def run_legs(
             q.put_nowait(("error", LegError("decode", f"decode leg crashed: {exc!r}", False)))
 
     async def prefill_leg() -> None:
-        prefill = rec.prefill.engine_id
+        assert prefill_spec is not None  # only sent for an assignment with a prefill
+        prefill = prefill_spec.engine_id
         try:
-            await client.prefill(rec.prefill.http_endpoint, p, prefill_params)
+            await client.prefill(prefill_spec.http_endpoint, p, prefill_params)
         except LegError as exc:
             prefill_error.append(exc)
             if on_prefill_failed is not None:
@@ -362,7 +368,10 @@ async def run_legs(
 
     # With the hand-off the client's first token is prefill's: its leg goes on the wire first. Without
     # it, decode's reservation goes first (the push starts when both it and the prefill are done).
-    legs = (prefill_leg, decode_leg) if handoff else (decode_leg, prefill_leg)
+    if prefill_spec is None:
+        legs: tuple[Callable[[], Coroutine[Any, Any, None]], ...] = (decode_leg,)
+    else:
+        legs = (prefill_leg, decode_leg) if handoff else (decode_leg, prefill_leg)
     tasks = [asyncio.create_task(leg()) for leg in legs]
     lost.add_done_callback(on_lost)
     if handoff:
@@ -434,7 +443,7 @@ async def run_legs(
             else:
                 raise AssignmentLost(value)
         # Decode finished, so prefill's KV arrived; give its HTTP answer a moment, then drop it.
-        await asyncio.wait([tasks[1]], timeout=5.0)
+        await asyncio.wait(tasks[1:] or tasks, timeout=5.0)
     finally:
         lost.remove_done_callback(on_lost)
         if first_token is not None:

@@ -18,8 +18,8 @@ from kvpush.services.common.security import claim_problem, peer_identity
 from kvpush.services.scheduler import convert
 from kvpush.services.scheduler.errors import InvalidArgument, NoCapacity, SchedulerError
 from kvpush.services.scheduler.generate import AssignmentLost, GenerateParams, LegError, run_legs
-from kvpush.services.scheduler.model import AssignmentRecord, Demand, Outcome, SampledToken, State
-from kvpush.services.scheduler.servicer_core import ServicerCore
+from kvpush.services.scheduler.model import AssignmentRecord, Demand, InstanceSpec, Outcome, SampledToken, State
+from kvpush.services.scheduler.servicer_core import ServicerCore, handoff_granted
 from kvpush.v1 import kvpush_pb2 as pb
 
 _MAX_PROMPT_TOKENS = limits.MAX_PROMPT_TOKENS
@@ -57,6 +57,9 @@ class GenerateRpcs(ServicerCore):
             self.metrics.reroutes.labels(exc.reason).inc()
             log.warning("reroute_impossible", reason=str(exc), failed=limits.clip(request.reason))
             await self._abort(context, exc)
+        prefill_spec = rec.prefill
+        if prefill_spec is None:  # not reached: reroute refuses an assignment prefilled on its decode
+            await self._refuse(context, "Reroute", grpc.StatusCode.FAILED_PRECONDITION, "no prefill leg")
         prefill_params, _ = convert.leg_params(rec, self.signer)
         if moved:
             params = GenerateParams(
@@ -66,7 +69,9 @@ class GenerateRpcs(ServicerCore):
                 ignore_eos=False,
                 seed=None,
             )
-            task = asyncio.get_running_loop().create_task(self._send_prefill_leg(rec, params, prefill_params))
+            task = asyncio.get_running_loop().create_task(
+                self._send_prefill_leg(rec, prefill_spec, params, prefill_params)
+            )
             self._prefill_legs.add(task)
             task.add_done_callback(self._prefill_legs.discard)
         self.metrics.reroutes.labels("moved" if moved else "repeated").inc()
@@ -74,7 +79,7 @@ class GenerateRpcs(ServicerCore):
             "transfer_rerouted",
             epoch=rec.epoch,
             failed_prefill=request.failed_prefill_engine_id,
-            prefill=rec.prefill.engine_id,
+            prefill=prefill_spec.engine_id,
             moved=moved,
             reason=limits.clip(request.reason),
         )
@@ -83,13 +88,14 @@ class GenerateRpcs(ServicerCore):
             epoch=rec.epoch, prefill=a.prefill, decode_kv_transfer_params=a.decode_kv_transfer_params
         )
 
-    async def _send_prefill_leg(self, rec: AssignmentRecord, p: GenerateParams, params: dict[str, Any]) -> None:
+    async def _send_prefill_leg(
+        self, rec: AssignmentRecord, prefill: InstanceSpec, p: GenerateParams, params: dict[str, Any]
+    ) -> None:
         """The prefill leg of a rerouted transfer; when it cannot be delivered, decode is told at once."""
-        prefill = rec.prefill.engine_id
         try:
-            await self.client.prefill(rec.prefill.http_endpoint, p, params)
+            await self.client.prefill(prefill.http_endpoint, p, params)
         except LegError as exc:
-            self.leg_failed(rec, prefill, f"rerouted prefill leg: {exc.message}")
+            self.leg_failed(rec, prefill.engine_id, f"rerouted prefill leg: {exc.message}")
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -133,11 +139,12 @@ class GenerateRpcs(ServicerCore):
             if outside is not None:
                 self.log.warning("request_refused", method="Generate", code="INVALID_ARGUMENT", reason=outside)
                 raise InvalidArgument(outside)
-            demand = Demand(len(request.prompt_token_ids), request.max_tokens)
+            # Generate sends the legs itself, so its decode may prefill the request (local prefill).
+            demand = Demand(len(request.prompt_token_ids), request.max_tokens, local_ok=True)
             rec = await self._admit(demand, "", context.time_remaining())
             rec.held = True  # released below, whatever happens
             # The first token is prefill's: streamed the moment it is sampled, decode continues.
-            rec.first_token = request.max_tokens >= 2 and rec.decode.first_token_handoff
+            rec.first_token = handoff_granted(rec, request.max_tokens >= 2)
         except SchedulerError as exc:
             if isinstance(exc, NoCapacity):
                 self.metrics.rejections.labels(exc.reason).inc()
@@ -145,7 +152,8 @@ class GenerateRpcs(ServicerCore):
             await self._abort(context, exc)
         self._decided(rec)
         log = self.log.bind(transfer_id=rec.transfer_id, request_id=request.request_id)
-        log.info("generate_started", decode=rec.decode.engine_id, prefill=rec.prefill.engine_id, epoch=rec.epoch)
+        prefill_engine_id = rec.prefill.engine_id if rec.prefill is not None else ""
+        log.info("generate_started", decode=rec.decode.engine_id, prefill=prefill_engine_id, epoch=rec.epoch)
         params = GenerateParams(
             prompt_token_ids=list(request.prompt_token_ids),
             max_tokens=request.max_tokens,
@@ -182,7 +190,7 @@ class GenerateRpcs(ServicerCore):
                     finished=bool(chunk.finish_reason),
                     finish_reason=chunk.finish_reason,
                     decode_engine_id=rec.decode.engine_id,
-                    prefill_engine_id=rec.prefill.engine_id,
+                    prefill_engine_id=prefill_engine_id,
                 )
                 if chunk.token_ids and tokens <= 1:
                     now = time.perf_counter()

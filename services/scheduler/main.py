@@ -17,6 +17,7 @@ from kvpush.services.common.leg_macs import LegMacer
 from kvpush.services.common.leg_signing import LegSigner
 from kvpush.services.common.security import Security, SecurityError, TlsFiles
 from kvpush.services.scheduler.convert import LegSealer
+from kvpush.services.scheduler.local_prefill import LocalPrefillConfig
 from kvpush.services.scheduler.policy import DECODE_POLICIES
 from kvpush.services.scheduler.registry import LeaseConfig
 from kvpush.services.scheduler.server import SchedulerConfig, SchedulerServer
@@ -70,6 +71,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         help="Generate: after a streaming decode's assignment is lost (lease), end the call only if "
         "decode streams nothing for this long (0: end it at once)",
+    )
+    _flag(
+        p,
+        "--local-prefill-max-tokens",
+        "0",
+        type=int,
+        help="local prefill: a prompt of at most this many tokens prefills on its decode instance, for "
+        "Generate and frontends that allow it (0: off)",
+    )
+    _flag(
+        p,
+        "--local-prefill-wait-ms",
+        "0",
+        type=float,
+        help="local prefill: a prompt whose prefill would wait longer than this behind its prefill instance's "
+        "queue prefills on its decode instance instead, when the decode's own queue is shorter; the queue is "
+        "estimated from the first-token hand-off's reports (0: off)",
     )
     _flag(p, "--model", "", help="served model name for Generate; empty: the first entry of GET /v1/models")
     _flag(
@@ -190,6 +208,11 @@ def security_from_args(args: argparse.Namespace) -> Security:
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
+    local_prefill = LocalPrefillConfig(max_tokens=args.local_prefill_max_tokens, wait_ms=args.local_prefill_wait_ms)
+    try:
+        local_prefill.validate()
+    except ValueError as exc:
+        raise SystemExit(f"kvpush-scheduler: {exc}") from exc
     return SchedulerConfig(
         listen=args.listen,
         lease=LeaseConfig(
@@ -199,6 +222,7 @@ def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
             assignment_ttl_s=args.assignment_ttl_s,
         ),
         decode_policy=args.decode_policy,
+        local_prefill=local_prefill,
         servicer=ServicerConfig(
             max_queue_s=args.max_queue_s,
             max_queued=args.max_queued,

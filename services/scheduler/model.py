@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 
 from kvpush.services.common import limits
+from kvpush.services.scheduler.local_prefill import LocalQueue, PrefillBacklog
 
 
 class Role(enum.Enum):
@@ -113,6 +114,8 @@ class Demand:
     prompt_tokens: int
     max_tokens: int = 0
     prefix_hint: str = ""
+    # The frontend can serve an assignment whose prefill runs on its decode (local_prefill.py).
+    local_ok: bool = False
 
     def blocks_on(self, tokens_per_block: int) -> int:
         """Blocks the request projects to hold on an instance: the prompt plus its output budget
@@ -138,6 +141,9 @@ class Instance:
     # Assignable only once its OpenAI server answers (the scheduler probes ``http_endpoint``);
     # an instance without one (Assign-only deployments) is ready when it registers.
     ready: bool = False
+    # Local prefill's estimates (with its queue rule on): a prefill's queue, a decode's own prefills.
+    backlog: PrefillBacklog | None = None
+    local_queue: LocalQueue | None = None
 
     @property
     def engine_id(self) -> str:
@@ -213,7 +219,7 @@ class SampledToken:
 class AssignmentRecord:
     transfer_id: str
     epoch: int
-    prefill: InstanceSpec
+    prefill: InstanceSpec | None  # None: the decode instance prefills the request itself
     decode: InstanceSpec
     decode_blocks: int
     created_at: float

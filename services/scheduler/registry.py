@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from kvpush.services.scheduler.closed_history import ClosedHistory
 from kvpush.services.scheduler.errors import FailedPrecondition, InvalidArgument, NoCapacity, NotFound
+from kvpush.services.scheduler.local_prefill import LocalPrefillConfig, LocalQueue, PrefillBacklog
 from kvpush.services.scheduler.model import (
     AssignmentRecord,
     ClosedAssignment,
@@ -64,8 +65,12 @@ class Registry:
         closed_history: int = 65536,
         first_epoch: int | None = None,
         require_ready: bool = False,
+        local_prefill: LocalPrefillConfig | None = None,
     ) -> None:
         self.lease = lease or LeaseConfig()
+        # When a request's prefill runs on its decode (off unless configured; local_prefill.py).
+        self.local_prefill = local_prefill or LocalPrefillConfig()
+        self._local = self.local_prefill.enabled
         # When set, an instance with an http_endpoint is assignable only after mark_ready.
         self.require_ready = require_ready
         self.decode_policy: DecodePolicy = decode_policy or PowerOfTwoChoices()
@@ -200,7 +205,7 @@ class Registry:
             if rec is None:
                 continue
             why = f"{inst.spec.role.value} {inst.engine_id} {kind.value}: {reason}"
-            if inst.spec.role is Role.PREFILL and rec.prefill.engine_id == inst.engine_id:
+            if inst.spec.role is Role.PREFILL and rec.prefill is not None and rec.prefill.engine_id == inst.engine_id:
                 # The decode engine still holds the reservation: it reroutes the transfer to another
                 # prefill (Reroute) or fails the request itself, so the assignment stays open.
                 rec.prefill_lost = why
@@ -249,9 +254,10 @@ class Registry:
             if free - inst.pending_blocks >= need:
                 fitting.append(inst)
         starting = f" ({unready} registered, not serving yet)" if unready else ""
+        local = self._local and demand.local_ok
         if not decodes:
             raise NoCapacity("no_decode", f"no live decode instance is ready{starting}")
-        if not prefills:
+        if not prefills and not local:
             raise NoCapacity("no_prefill", f"no live prefill instance is ready{starting}")
         if not fitting:
             best = max(decodes, key=lambda d: d.projected_free)
@@ -269,9 +275,11 @@ class Registry:
         decode = self.decode_policy.choose(fitting, demand)
         if decode is None:
             raise NoCapacity("no_capacity", f"decode policy {self.decode_policy.name} chose no instance")
-        prefill = self.prefill_policy.choose(prefills, demand)
-        if prefill is None:
+        prefill = self.prefill_policy.choose(prefills, demand) if prefills else None
+        if prefill is None and not local:
             raise NoCapacity("no_prefill", f"prefill policy {self.prefill_policy.name} chose no instance")
+        if local and prefill is not None and not self._prefills_on_decode(demand, prefill, decode, now):
+            local = False
 
         if transfer_id:
             previous = self.open.get(transfer_id)
@@ -284,7 +292,7 @@ class Registry:
         rec = AssignmentRecord(
             transfer_id=transfer_id,
             epoch=next(self._epochs),
-            prefill=prefill.spec,
+            prefill=None if local or prefill is None else prefill.spec,
             decode=decode.spec,
             decode_blocks=blocks,
             created_at=now,
@@ -293,9 +301,36 @@ class Registry:
         self.closed.discard(transfer_id)
         decode.open.add(transfer_id)
         decode.add_pending(transfer_id, blocks, now)
-        prefill.open.add(transfer_id)
-        prefill.add_pending(transfer_id, 0, now)
+        if rec.prefill is not None and prefill is not None:
+            prefill.open.add(transfer_id)
+            prefill.add_pending(transfer_id, 0, now)
+            if prefill.backlog is not None:
+                prefill.backlog.add(transfer_id, demand.prompt_tokens, now)
         return rec
+
+    def _prefills_on_decode(self, demand: Demand, prefill: Instance, decode: Instance, now: float) -> bool:
+        """Local prefill's rules (local_prefill.py) for a request that could go to ``prefill``:
+        a short prompt, or a prefill queue longer than the decode's own queue of prefills and than
+        the configured wait. A decode that takes one counts it in its own queue."""
+        cfg = self.local_prefill
+        if demand.prompt_tokens <= cfg.max_tokens:
+            return True
+        if cfg.wait_ms <= 0:
+            return False
+        backlog = prefill.backlog
+        if backlog is None:
+            backlog = prefill.backlog = PrefillBacklog()
+        wait = backlog.wait_s(now)
+        spt = backlog.s_per_token
+        if wait is None or spt is None or wait * 1000.0 <= cfg.wait_ms:
+            return False
+        own = decode.local_queue
+        if own is None:
+            own = decode.local_queue = LocalQueue()
+        if own.wait_s(now) >= wait:
+            return False
+        own.add(demand.prompt_tokens, spt, now)
+        return True
 
     def reroute(
         self, transfer_id: str, decode_engine_id: str, failed_prefill_engine_id: str, max_reroutes: int
@@ -309,6 +344,8 @@ class Registry:
             raise NotFound(f"no open assignment for transfer {transfer_id!r}")
         if rec.decode.engine_id != decode_engine_id:
             raise FailedPrecondition(f"transfer {transfer_id!r} is not assigned to decode {decode_engine_id!r}")
+        if rec.prefill is None:
+            raise FailedPrecondition(f"transfer {transfer_id!r} is prefilled on its decode; there is no prefill leg")
         if rec.prefill.engine_id != failed_prefill_engine_id:
             return rec, False
         tried = rec.tried_prefills | {rec.prefill.engine_id}
@@ -327,6 +364,8 @@ class Registry:
         if old is not None and old.spec.incarnation == rec.prefill.incarnation:
             old.open.discard(transfer_id)
             old.drop_pending(transfer_id)
+            if old.backlog is not None:
+                old.backlog.drop(transfer_id)
         rec.tried_prefills = frozenset(tried)
         rec.prefill, rec.prefill_lost = prefill.spec, ""
         rec.earlier_epochs = rec.earlier_epochs | {rec.epoch}
@@ -359,10 +398,14 @@ class Registry:
         if self.open.get(rec.transfer_id) is rec:
             del self.open[rec.transfer_id]
         for spec in (rec.decode, rec.prefill):
+            if spec is None:
+                continue
             inst = self.instances.get(spec.engine_id)
             if inst is not None and inst.spec.incarnation == spec.incarnation:
                 inst.open.discard(rec.transfer_id)
                 inst.drop_pending(rec.transfer_id)
+                if inst.backlog is not None:
+                    inst.backlog.drop(rec.transfer_id)
         if state is not State.SUPERSEDED:
             self.closed.add(rec)
 

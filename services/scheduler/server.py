@@ -15,6 +15,7 @@ from kvpush.services.common.logs import get_logger
 from kvpush.services.common.security import SCHEDULER_POLICY, Security
 from kvpush.services.scheduler.convert import LegSealer
 from kvpush.services.scheduler.generate import OpenAIClient
+from kvpush.services.scheduler.local_prefill import LocalPrefillConfig
 from kvpush.services.scheduler.metrics import Metrics
 from kvpush.services.scheduler.policy import LeastBusy, decode_policy
 from kvpush.services.scheduler.registry import LeaseConfig, Registry
@@ -30,6 +31,7 @@ class SchedulerConfig:
     listen: str = "127.0.0.1:0"
     lease: LeaseConfig = field(default_factory=LeaseConfig)
     decode_policy: str = "p2c"
+    local_prefill: LocalPrefillConfig = field(default_factory=LocalPrefillConfig)  # off by default
     servicer: ServicerConfig = field(default_factory=ServicerConfig)
     model: str = ""  # served model name for Generate; empty: first entry of GET /v1/models
     http_read_timeout_s: float = 600.0
@@ -54,6 +56,7 @@ class SchedulerServer:
             decode_policy=decode_policy(config.decode_policy),
             prefill_policy=LeastBusy(),
             require_ready=config.readiness_probe,
+            local_prefill=config.local_prefill,
         )
         self.metrics = Metrics(self.registry)
         self.client = OpenAIClient(model=config.model, read_timeout_s=config.http_read_timeout_s)

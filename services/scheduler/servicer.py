@@ -30,7 +30,13 @@ from kvpush.services.scheduler.model import (
     Outcome,
     State,
 )
-from kvpush.services.scheduler.servicer_core import ServicerConfig, ShuttingDown, Subscriber
+from kvpush.services.scheduler.servicer_core import (
+    ServicerConfig,
+    ShuttingDown,
+    Subscriber,
+    decision_keys,
+    handoff_granted,
+)
 from kvpush.v1 import kvpush_pb2 as pb
 from kvpush.v1 import kvpush_pb2_grpc as pb_grpc
 
@@ -209,7 +215,7 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
         if bound is not None:
             self.log.warning("request_refused", method=method, code="INVALID_ARGUMENT", reason=bound)
             raise InvalidArgument(bound)
-        return Demand(request.prompt_tokens, request.max_tokens, request.prefix_hint)
+        return Demand(request.prompt_tokens, request.max_tokens, request.prefix_hint, request.allow_prefill_on_decode)
 
     async def Assign(self, request: pb.AssignRequest, context: grpc.aio.ServicerContext) -> pb.Assignment:
         t0 = time.perf_counter()
@@ -217,7 +223,7 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
         try:
             demand = self._assign_demand(request, "Assign")
             rec = await self._admit(demand, request.transfer_id, context.time_remaining())
-            rec.first_token = request.first_token_from_prefill and rec.decode.first_token_handoff
+            rec.first_token = handoff_granted(rec, request.first_token_from_prefill)
         except SchedulerError as exc:
             if isinstance(exc, NoCapacity):
                 self.metrics.rejections.labels(exc.reason).inc()
@@ -232,7 +238,7 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
             transfer_id=rec.transfer_id,
             epoch=rec.epoch,
             decode=rec.decode.engine_id,
-            prefill=rec.prefill.engine_id,
+            prefill=rec.prefill.engine_id if rec.prefill is not None else "",
             blocks=rec.decode_blocks,
         )
         return convert.assignment_to_pb(rec, self.signer)
@@ -358,7 +364,7 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
                 demand = self._assign_demand(request, "AssignStream")
                 left = None if wait_until is None else max(0.0, wait_until - time.monotonic())
                 rec = await self._admit(demand, request.transfer_id, left)
-                rec.first_token = request.first_token_from_prefill and rec.decode.first_token_handoff
+                rec.first_token = handoff_granted(rec, request.first_token_from_prefill)
             except SchedulerError as exc:
                 if isinstance(exc, NoCapacity):
                     self.metrics.rejections.labels(exc.reason).inc()
@@ -367,7 +373,7 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
                 continue
             finally:
                 self.metrics.assign_latency.observe(time.perf_counter() - t0)
-            for key in (("decode", rec.decode.engine_id), ("prefill", rec.prefill.engine_id)):
+            for key in decision_keys(rec):
                 decided[key] = decided.get(key, 0) + 1
             records.append(rec)
             slots.append(result)
@@ -406,7 +412,7 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
             )
         if request.leg not in (pb.ROLE_UNSPECIFIED, pb.ROLE_PREFILL, pb.ROLE_DECODE):
             await self._refuse(context, "ReportLegFailure", grpc.StatusCode.INVALID_ARGUMENT, "leg must be a role")
-        if request.prefill_engine_id != rec.prefill.engine_id:
+        if rec.prefill is None or request.prefill_engine_id != rec.prefill.engine_id:
             await self._refuse(
                 context,
                 "ReportLegFailure",
@@ -415,4 +421,4 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
             )
         if request.leg == pb.ROLE_DECODE:
             return pb.LegFailureAck(delivered=self.decode_leg_failed(rec, request.reason))
-        return pb.LegFailureAck(delivered=self.leg_failed(rec, rec.prefill.engine_id, request.reason))
+        return pb.LegFailureAck(delivered=self.leg_failed(rec, request.prefill_engine_id, request.reason))

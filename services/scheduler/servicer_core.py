@@ -41,6 +41,20 @@ _CODES: dict[type[SchedulerError], grpc.StatusCode] = {
 }
 
 
+def decision_keys(rec: AssignmentRecord) -> tuple[tuple[str, str], ...]:
+    """The (role, engine id) decision counters an assignment adds to: its decode and its prefill,
+    or ``prefill_on_decode`` for a decode that prefills the request itself."""
+    if rec.prefill is None:
+        return (("decode", rec.decode.engine_id), ("prefill_on_decode", rec.decode.engine_id))
+    return (("decode", rec.decode.engine_id), ("prefill", rec.prefill.engine_id))
+
+
+def handoff_granted(rec: AssignmentRecord, asked: bool) -> bool:
+    """Whether an assignment gets the first-token hand-off: asked for, a decode that supports it,
+    and a prefill leg (a decode that prefills the request samples the first token itself)."""
+    return asked and rec.prefill is not None and rec.decode.first_token_handoff
+
+
 class ShuttingDown(NoCapacity):
     def __init__(self) -> None:
         super().__init__("shutting_down", "scheduler is shutting down; retry on another scheduler")
@@ -255,7 +269,7 @@ class ServicerCore:
                     raise ShuttingDown() from None
 
     def _decided(self, rec: AssignmentRecord) -> None:
-        self._count_decisions({("decode", rec.decode.engine_id): 1, ("prefill", rec.prefill.engine_id): 1})
+        self._count_decisions(dict.fromkeys(decision_keys(rec), 1))
 
     def _count_decisions(self, counts: dict[tuple[str, str], int]) -> None:
         """Adds (role, engine id) -> assignments to the decision counters (a batch at once)."""
@@ -280,7 +294,10 @@ class ServicerCore:
 
     def decode_leg_failed(self, rec: AssignmentRecord, reason: str) -> bool:
         """The decode leg was not delivered: tells the assignment's prefill instance, which frees
-        the KV it holds (or will hold) for the transfer instead of keeping it for its lease."""
+        the KV it holds (or will hold) for the transfer instead of keeping it for its lease. False,
+        and nothing to tell, for a transfer prefilled on its decode."""
+        if rec.prefill is None:
+            return False
         return self._push_leg_failure(rec.prefill, rec, rec.prefill.engine_id, reason, pb.ROLE_DECODE)
 
     def _push_leg_failure(

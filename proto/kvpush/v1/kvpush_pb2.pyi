@@ -1341,6 +1341,7 @@ class AssignRequest(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _builtins.int
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _builtins.int
+    ALLOW_PREFILL_ON_DECODE_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     prefix_hint: _builtins.str
     transfer_id: _builtins.str
@@ -1353,6 +1354,12 @@ class AssignRequest(_message.Message):
     (AwaitFirstToken answers it), and the decode leg must be sent with max_tokens - 1
     (docs/first_token.md).
     """
+    allow_prefill_on_decode: _builtins.bool
+    """The frontend can serve an assignment whose prefill runs on its decode instance (the scheduler's
+    local prefill rules, docs/scheduler.md "Local prefill"): granted as Assignment.prefill_on_decode,
+    with no prefill leg and no kv_transfer_params on the decode leg. Without it every assignment
+    has both legs, as before.
+    """
     def __init__(
         self,
         *,
@@ -1361,10 +1368,11 @@ class AssignRequest(_message.Message):
         transfer_id: _builtins.str = ...,
         max_tokens: _builtins.int = ...,
         first_token_from_prefill: _builtins.bool = ...,
+        allow_prefill_on_decode: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["first_token_from_prefill", b"first_token_from_prefill", "max_tokens", b"max_tokens", "prefix_hint", b"prefix_hint", "prompt_tokens", b"prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_prefill_on_decode", b"allow_prefill_on_decode", "first_token_from_prefill", b"first_token_from_prefill", "max_tokens", b"max_tokens", "prefix_hint", b"prefix_hint", "prompt_tokens", b"prompt_tokens", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1381,10 +1389,16 @@ class Assignment(_message.Message):
     PREFILL_KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
     DECODE_KV_TRANSFER_PARAMS_FIELD_NUMBER: _builtins.int
     FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _builtins.int
+    PREFILL_ON_DECODE_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     epoch: _builtins.int
     first_token_from_prefill: _builtins.bool
     """the hand-off asked for in AssignRequest was granted"""
+    prefill_on_decode: _builtins.bool
+    """The decode instance prefills this request itself (only when AssignRequest allowed it): send the
+    request once, whole, to decode's endpoint without kv_transfer_params; prefill and both
+    kv_transfer_params are unset, and first_token_from_prefill is false.
+    """
     @_builtins.property
     def prefill(self) -> Global___InstanceInfo: ...
     @_builtins.property
@@ -1403,10 +1417,11 @@ class Assignment(_message.Message):
         prefill_kv_transfer_params: _struct_pb2.Struct | None = ...,
         decode_kv_transfer_params: _struct_pb2.Struct | None = ...,
         first_token_from_prefill: _builtins.bool = ...,
+        prefill_on_decode: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_kv_transfer_params", b"decode_kv_transfer_params", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_kv_transfer_params", b"decode_kv_transfer_params", "epoch", b"epoch", "first_token_from_prefill", b"first_token_from_prefill", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode", b"decode", "decode_kv_transfer_params", b"decode_kv_transfer_params", "epoch", b"epoch", "first_token_from_prefill", b"first_token_from_prefill", "prefill", b"prefill", "prefill_kv_transfer_params", b"prefill_kv_transfer_params", "prefill_on_decode", b"prefill_on_decode", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1566,6 +1581,7 @@ class CompactAssignment(_message.Message):
     FIRST_TOKEN_FROM_PREFILL_FIELD_NUMBER: _builtins.int
     PREFILL_KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _builtins.int
     DECODE_KV_TRANSFER_PARAMS_JSON_FIELD_NUMBER: _builtins.int
+    PREFILL_ON_DECODE_FIELD_NUMBER: _builtins.int
     transfer_id: _builtins.str
     epoch: _builtins.int
     prefill_engine_id: _builtins.str
@@ -1575,6 +1591,8 @@ class CompactAssignment(_message.Message):
     first_token_from_prefill: _builtins.bool
     prefill_kv_transfer_params_json: _builtins.str
     decode_kv_transfer_params_json: _builtins.str
+    prefill_on_decode: _builtins.bool
+    """as Assignment.prefill_on_decode: the prefill and both legs' fields are empty"""
     def __init__(
         self,
         *,
@@ -1587,10 +1605,11 @@ class CompactAssignment(_message.Message):
         first_token_from_prefill: _builtins.bool = ...,
         prefill_kv_transfer_params_json: _builtins.str = ...,
         decode_kv_transfer_params_json: _builtins.str = ...,
+        prefill_on_decode: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "decode_http_endpoint", b"decode_http_endpoint", "decode_kv_transfer_params_json", b"decode_kv_transfer_params_json", "epoch", b"epoch", "first_token_from_prefill", b"first_token_from_prefill", "prefill_engine_id", b"prefill_engine_id", "prefill_http_endpoint", b"prefill_http_endpoint", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "transfer_id", b"transfer_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_engine_id", b"decode_engine_id", "decode_http_endpoint", b"decode_http_endpoint", "decode_kv_transfer_params_json", b"decode_kv_transfer_params_json", "epoch", b"epoch", "first_token_from_prefill", b"first_token_from_prefill", "prefill_engine_id", b"prefill_engine_id", "prefill_http_endpoint", b"prefill_http_endpoint", "prefill_kv_transfer_params_json", b"prefill_kv_transfer_params_json", "prefill_on_decode", b"prefill_on_decode", "transfer_id", b"transfer_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1819,6 +1838,7 @@ class GenerateResponse(_message.Message):
     """set on the first message that carries tokens"""
     decode_engine_id: _builtins.str
     prefill_engine_id: _builtins.str
+    """empty when the decode instance prefilled the request itself"""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """new tokens since the previous message"""

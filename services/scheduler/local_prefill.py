@@ -1,0 +1,124 @@
+"""Local prefill (conditional disaggregation): when a request's prefill runs on its decode instance
+instead of on a prefill instance, and the estimate of a prefill instance's queue those rules read.
+
+Disaggregation pays off when a prefill would stall decodes; it costs a hand-off and, when the
+prefill instances are behind, their queue. The rules (all off by default, and only for frontends
+that allow it, ``AssignRequest.allow_prefill_on_decode``; ``Generate`` always does):
+
+* ``max_tokens``: a prompt of at most this many tokens prefills on its decode (a short prefill
+  stalls decode less than the hand-off costs the request);
+* ``wait_ms``: a prompt whose prefill would wait longer than this behind the chosen prefill
+  instance's queue prefills on its decode, when the decode's own queue of such prefills is shorter
+  (prefill saturated: the decode's core takes the overflow instead of the queue growing);
+* with either rule on, a request finds no ready prefill instance: its decode prefills it.
+
+Pure state, time passed in, no I/O: the registry drives it from the scheduler's event loop.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LocalPrefillConfig:
+    max_tokens: int = 0  # prompts up to this many tokens prefill on their decode (0: none)
+    wait_ms: float = 0.0  # prefill on decode when the prefill queue is longer than this (0: never)
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_tokens > 0 or self.wait_ms > 0
+
+    def validate(self) -> None:
+        if self.max_tokens < 0 or not 0 <= self.wait_ms < float("inf"):
+            raise ValueError("local prefill max_tokens and wait_ms must be >= 0 and finite")
+
+
+class PrefillBacklog:
+    """One prefill instance's queue as the scheduler sees it: the prompts assigned to it whose
+    prefill was not seen to finish, in assignment order, its speed in seconds per prompt token,
+    learned from the first-token reports of hand-off transfers (the moment prefill sampled), and
+    a virtual clock: when it would be done with them, serving them one after another at that speed.
+
+    FIFO model: a report for a transfer means every transfer assigned before it finished too (they
+    leave without a sample), and the clock restarts from the report. A sample is taken only for the
+    head of the queue: its service began when it was assigned or when the previous one was seen to
+    finish, whichever was later. Without reports (transfers without the hand-off) the clock still
+    runs down. Until the first sample the speed is unknown and so is the wait (``wait_s`` is None)."""
+
+    ALPHA = 0.25  # weight of a new sample in the speed's moving average
+
+    def __init__(self) -> None:
+        self._queue: OrderedDict[str, tuple[int, float]] = OrderedDict()  # transfer id -> (tokens, assigned at)
+        self._last_finish = float("-inf")
+        self._free_at = float("-inf")  # the virtual clock (with a known speed)
+        self.s_per_token: float | None = None
+        self.samples = 0
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, transfer_id: str, tokens: int, now: float) -> None:
+        if transfer_id in self._queue:
+            self.drop(transfer_id)
+        self._queue[transfer_id] = (tokens, now)
+        if self.s_per_token is not None:
+            self._free_at = max(self._free_at, now) + tokens * self.s_per_token
+
+    def drop(self, transfer_id: str) -> None:
+        """The transfer left without a report (released, closed, moved to another prefill)."""
+        if self._queue.pop(transfer_id, None) is not None:
+            self._rewind()
+
+    def finished(self, transfer_id: str, now: float) -> bool:
+        """Prefill sampled the transfer's first token at ``now``. False when it is not queued here."""
+        if transfer_id not in self._queue:
+            return False
+        head = True
+        while self._queue:
+            tid, (tokens, assigned_at) = self._queue.popitem(last=False)
+            if tid != transfer_id:
+                head = False
+                continue
+            if head and tokens > 0:
+                served = now - max(assigned_at, self._last_finish)
+                if served > 0:
+                    sample = served / tokens
+                    spt = self.s_per_token
+                    self.s_per_token = sample if spt is None else spt + self.ALPHA * (sample - spt)
+                    self.samples += 1
+            break
+        self._last_finish = max(self._last_finish, now)
+        self._rewind()
+        return True
+
+    def _rewind(self) -> None:
+        """The virtual clock again from the last report, over what is still queued."""
+        spt = self.s_per_token
+        if spt is None:
+            return
+        free_at = self._last_finish
+        for tokens, assigned_at in self._queue.values():
+            free_at = max(free_at, assigned_at) + tokens * spt
+        self._free_at = free_at
+
+    def wait_s(self, now: float) -> float | None:
+        """How long a prefill assigned now would wait for the queue ahead of it (None: speed unknown)."""
+        if self.s_per_token is None:
+            return None
+        return max(0.0, self._free_at - now)
+
+
+class LocalQueue:
+    """The prefills a decode instance took on itself, as a virtual clock: when it would be done with
+    them, at the speed of the prefill instance whose queue sent them there."""
+
+    def __init__(self) -> None:
+        self.free_at = float("-inf")
+
+    def add(self, tokens: int, s_per_token: float, now: float) -> None:
+        self.free_at = max(self.free_at, now) + tokens * s_per_token
+
+    def wait_s(self, now: float) -> float:
+        return max(0.0, self.free_at - now)
