@@ -122,6 +122,7 @@ class PointResult:
     # arrival stream (``--interleave``), where throughput and goodput are scaled by 1 / share.
     share: float = 1.0
     on_decode: int = 0  # requests the scheduler had their decode prefill (local prefill)
+    req_on_decode: list[bool] = field(default_factory=list)  # per request, in arrival order
 
     @property
     def goodput_duration_s(self) -> float:
@@ -162,4 +163,5 @@ def summarize(setup: str, point: Point, samples: list[Sample], share: float = 1.
         ttft_answer_p50_ms=percentile([s.ttft_answer for s in good], 50),
         share=share,
         on_decode=sum(s.on_decode for s in samples),
+        req_on_decode=[s.on_decode for s in samples],
     )

@@ -151,7 +151,7 @@ def test_without_a_ready_prefill_the_decode_prefills_when_local_prefill_is_on() 
         off.assign(Demand(500, 16, local_ok=True))
 
 
-def test_a_long_prefill_queue_overflows_to_the_decode_until_its_own_queue_is_as_long() -> None:
+def test_a_long_prefill_queue_overflows_to_the_decode_one_prefill_at_a_time() -> None:
     clock = Clock()
     reg = _registry(clock, LocalPrefillConfig(wait_ms=150))
     p0 = reg.instances["p0"]
@@ -160,11 +160,12 @@ def test_a_long_prefill_queue_overflows_to_the_decode_until_its_own_queue_is_as_
     assert p0.backlog is not None
     clock.t += 0.1
     p0.backlog.finished(warm.transfer_id, clock.t)  # what a first-token report does: 0.1 ms a token
-    sizes = (1000, 1000, 1000, 1500, 1000)
-    where = ["P" if reg.assign(Demand(n, 16, local_ok=True)).prefill else "D" for n in sizes]
-    # P's queue when each comes: 0, 100 ms (not over the 150), 200 ms: to D (its own queue 0, then
-    # 100), 200: to D (100 < 200; then 250), 200 with D's at 250: back to P.
-    assert where == ["P", "P", "D", "D", "P"]
+    where = ["P" if reg.assign(Demand(1000, 16, local_ok=True)).prefill else "D" for _ in range(4)]
+    # P's queue when each comes: 0, 100 ms (not over the 150), 200 ms: to D (which then prefills
+    # for 100 ms), 200 ms while D prefills: P.
+    assert where == ["P", "P", "D", "P"]
+    clock.t += 0.1001  # D is done with its prefill (by the estimate); P's queue is at 200 ms again
+    assert reg.assign(Demand(1000, 16, local_ok=True)).prefill is None
     assert reg.assign(Demand(1000, 16)).prefill is not None, "not allowed: never local"
     clock.t += 10.0  # everything done
     assert reg.assign(Demand(1000, 16, local_ok=True)).prefill is not None

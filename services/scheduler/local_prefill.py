@@ -8,8 +8,9 @@ that allow it, ``AssignRequest.allow_prefill_on_decode``; ``Generate`` always do
 * ``max_tokens``: a prompt of at most this many tokens prefills on its decode (a short prefill
   stalls decode less than the hand-off costs the request);
 * ``wait_ms``: a prompt whose prefill would wait longer than this behind the chosen prefill
-  instance's queue prefills on its decode, when the decode's own queue of such prefills is shorter
-  (prefill saturated: the decode's core takes the overflow instead of the queue growing);
+  instance's queue prefills on its decode, when the decode is not prefilling another such request
+  (prefill saturated: the decode's core takes some of the overflow instead of the queue growing;
+  one at a time, because each stalls the decodes it runs beside);
 * with either rule on, a request finds no ready prefill instance: its decode prefills it.
 
 Pure state, time passed in, no I/O: the registry drives it from the scheduler's event loop.
@@ -112,7 +113,8 @@ class PrefillBacklog:
 
 class LocalQueue:
     """The prefills a decode instance took on itself, as a virtual clock: when it would be done with
-    them, at the speed of the prefill instance whose queue sent them there."""
+    them, at the speed of the prefill instance whose queue sent them there (it takes the next one
+    only once this clock ran out)."""
 
     def __init__(self) -> None:
         self.free_at = float("-inf")

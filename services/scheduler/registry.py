@@ -310,8 +310,9 @@ class Registry:
 
     def _prefills_on_decode(self, demand: Demand, prefill: Instance, decode: Instance, now: float) -> bool:
         """Local prefill's rules (local_prefill.py) for a request that could go to ``prefill``:
-        a short prompt, or a prefill queue longer than the decode's own queue of prefills and than
-        the configured wait. A decode that takes one counts it in its own queue."""
+        a short prompt, or a prefill queue longer than the configured wait while the decode is not
+        prefilling another such request (each one stalls the decodes it runs beside, so a decode
+        takes them one at a time). A decode that takes one counts it in its own queue."""
         cfg = self.local_prefill
         if demand.prompt_tokens <= cfg.max_tokens:
             return True
@@ -327,7 +328,7 @@ class Registry:
         own = decode.local_queue
         if own is None:
             own = decode.local_queue = LocalQueue()
-        if own.wait_s(now) >= wait:
+        if own.wait_s(now) > 0:
             return False
         own.add(demand.prompt_tokens, spt, now)
         return True
