@@ -25,6 +25,7 @@ from kvpush.services.decode_agent.rank import DecodeRank, DecodeRankConfig
 from kvpush.services.prefill_agent.agent import PrefillAgent, PrefillAgentConfig
 from kvpush.services.scheduler.first_tokens import FirstTokenRelay
 from kvpush.services.scheduler.generate import Chunk, OpenAIClient
+from kvpush.services.scheduler.local_prefill import LocalPrefillConfig
 from kvpush.services.scheduler.registry import LeaseConfig
 from kvpush.services.scheduler.server import SchedulerConfig, SchedulerServer
 from kvpush.v1 import kvpush_pb2 as pb
@@ -295,7 +296,13 @@ def sched() -> Iterator[tuple[SchedulerServer, pb_grpc.SchedulerStub]]:
 
     async def start() -> SchedulerServer:
         s = SchedulerServer(
-            SchedulerConfig(listen="127.0.0.1:0", lease=LeaseConfig(interval_s=60.0, misses=3, settle_s=0.05))
+            SchedulerConfig(
+                listen="127.0.0.1:0",
+                lease=LeaseConfig(interval_s=60.0, misses=3, settle_s=0.05),
+                # Local prefill on: short prompts, and any prompt once the prefill queue's speed is
+                # known (the instant client's reports), go to decode for callers that allow it.
+                local_prefill=LocalPrefillConfig(max_tokens=10, wait_ms=0.001),
+            )
         )
         s.servicer.client = client = _InstantClient()
         client.relay = s.servicer._first_tokens
@@ -377,6 +384,7 @@ _assign = st.builds(
     transfer_id=st.just("") | IDS,
     max_tokens=U32,
     first_token_from_prefill=st.booleans(),
+    allow_prefill_on_decode=st.booleans(),
 ).map(lambda r: ("Assign", r))
 _release = st.builds(pb.ReleaseRequest, transfer_id=IDS, epoch=U64, outcome=st.integers(0, 4), reason=TEXT).map(
     lambda r: ("Release", r)

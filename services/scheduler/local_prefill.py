@@ -68,9 +68,11 @@ class PrefillBacklog:
             self._free_at = max(self._free_at, now) + tokens * self.s_per_token
 
     def drop(self, transfer_id: str) -> None:
-        """The transfer left without a report (released, closed, moved to another prefill)."""
-        if self._queue.pop(transfer_id, None) is not None:
-            self._rewind()
+        """The transfer left without a report (released, closed, moved to another prefill): the
+        clock loses its work (O(1): a Release comes for every request)."""
+        entry = self._queue.pop(transfer_id, None)
+        if entry is not None and self.s_per_token is not None:
+            self._free_at -= entry[0] * self.s_per_token
 
     def finished(self, transfer_id: str, now: float) -> bool:
         """Prefill sampled the transfer's first token at ``now``. False when it is not queued here."""
