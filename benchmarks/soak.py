@@ -38,6 +38,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import signal
 import sys
 import threading
@@ -494,6 +495,11 @@ def main() -> None:
     ap.add_argument("--ready-timeout-s", type=float, default=400.0)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-faults", action="store_true")
+    ap.add_argument(
+        "--scheduler-args",
+        default="",
+        help="more scheduler flags, e.g. '--local-prefill-max-tokens 300 --local-prefill-wait-ms 150' (local prefill)",
+    )
     ap.add_argument("--run-dir", type=Path, default=REPO / "runs" / "soak")
     ap.add_argument("--model-dir", type=Path, default=REPO / "models" / "tiny-llama")
     ap.add_argument("--docs", action=argparse.BooleanOptionalAction, default=True, help="write docs/soak.md")
@@ -507,7 +513,9 @@ def main() -> None:
         for _ in range(args.prompts)
     ]
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    with pd_cluster(args.model_dir, args.run_dir, prefills=2, metrics=True) as c:
+    with pd_cluster(
+        args.model_dir, args.run_dir, prefills=2, metrics=True, scheduler_args=shlex.split(args.scheduler_args)
+    ) as c:
         assert c.baseline is not None
         expected = [complete(c.baseline.base_url, p, args.max_tokens)[0] for p in prompts]
         c.baseline.stop()
