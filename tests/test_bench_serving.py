@@ -285,6 +285,42 @@ def test_ours_and_grpc_proxies_pass_the_output_length() -> None:
     assert g.gap2 >= 0 and not math.isnan(g.tpot_rest)
 
 
+@pytest.mark.parametrize("which", ["ours", "ours_ft"])
+def test_our_proxies_send_an_assignment_prefilled_on_decode_to_decode_alone(which: str) -> None:
+    """Local prefill: both Assign paths allow it; an answer with ``prefill_on_decode`` is one plain
+    streamed request to decode (no kv_transfer_params, the whole output), no prefill leg, no wait
+    for a first token, released OK, and counted per request and per point."""
+    from kvpush.v1 import kvpush_pb2 as pb
+
+    class Stub:
+        def __init__(self) -> None:
+            self.allowed: list[bool] = []
+            self.released: list[int] = []
+
+        async def Assign(self, req: Any, timeout: float) -> Any:
+            self.allowed.append(req.allow_prefill_on_decode)
+            return pb.Assignment(
+                transfer_id="t1", epoch=3, decode=pb.InstanceInfo(http_endpoint="http://d"), prefill_on_decode=True
+            )
+
+        async def Release(self, req: Any, timeout: float) -> Any:
+            self.released.append(req.outcome)
+            return pb.ReleaseResponse()
+
+        async def AwaitFirstToken(self, req: Any, timeout: float) -> Any:
+            raise AssertionError("no first token to wait for")
+
+    c, stub = _FakePD(), Stub()
+    proxy = sv_proxies.ours_proxy if which == "ours" else sv_proxies.ours_ft_proxy
+    s = Sample(ok=False, sent=0.0)
+    asyncio.run(proxy(c, stub)([1, 2], 16, s))  # type: ignore[arg-type]
+    assert stub.allowed == [True] and stub.released == [pb.OUTCOME_OK]
+    assert not c.once_calls and c.stream_calls == [("http://d", 16, None)]
+    assert s.ok and s.on_decode
+    r = sv_model.summarize(which, Point(3072, 5.0, 2, 16), [s, Sample(ok=False, sent=0.0)])
+    assert r.on_decode == 1 and r.req_on_decode == [True, False]
+
+
 def test_ours_ft_proxy_puts_prefills_token_first_and_times_the_gap_to_decodes() -> None:
     """The first token is the scheduler's AwaitFirstToken answer (asked with the assignment's id
     and epoch); the prefill leg's answer, with the same token, is timed beside it; a token that
