@@ -279,7 +279,7 @@ def fill_compact(pairs: list[tuple[AssignmentRecord, pb.CompactAssignment]], sig
     expires_at = signer.expiry() if signer is not None else 0.0
     canonical: list[bytes] = []
     readers: list[str] = []
-    with_legs: list[tuple[AssignmentRecord, pb.CompactAssignment]] = []
+    with_legs: list[tuple[AssignmentRecord, InstanceSpec, pb.CompactAssignment]] = []
     for rec, c in pairs:
         if rec.prefill is None:
             c.transfer_id = rec.transfer_id
@@ -293,14 +293,13 @@ def fill_compact(pairs: list[tuple[AssignmentRecord, pb.CompactAssignment]], sig
         canonical.append(decode_bytes.render(rec.transfer_id, rec.epoch, expires_at))
         readers.append(rec.prefill.engine_id)
         readers.append(rec.decode.engine_id)
-        with_legs.append((rec, c))
+        with_legs.append((rec, rec.prefill, c))
     if not canonical:
         return
     auth = signer.seal_batch_bytes(canonical, readers) if signer is not None else [("", "", "")] * len(canonical)
     params_json = transfer_params.splice_params_json  # canonical bytes and base64url made just above
-    for i, (rec, c) in enumerate(with_legs):
-        prefill, decode = rec.prefill, rec.decode
-        assert prefill is not None  # with_legs has only those
+    for i, (rec, prefill, c) in enumerate(with_legs):
+        decode = rec.decode
         c.transfer_id = rec.transfer_id
         c.epoch = rec.epoch
         c.prefill_engine_id = prefill.engine_id

@@ -280,6 +280,7 @@ class Registry:
             raise NoCapacity("no_prefill", f"prefill policy {self.prefill_policy.name} chose no instance")
         if local and prefill is not None and not self._prefills_on_decode(demand, prefill, decode, now):
             local = False
+        leg = None if local else prefill  # the prefill the request goes to (None: its decode prefills it)
 
         if transfer_id:
             previous = self.open.get(transfer_id)
@@ -292,7 +293,7 @@ class Registry:
         rec = AssignmentRecord(
             transfer_id=transfer_id,
             epoch=next(self._epochs),
-            prefill=None if local or prefill is None else prefill.spec,
+            prefill=leg.spec if leg is not None else None,
             decode=decode.spec,
             decode_blocks=blocks,
             created_at=now,
@@ -301,11 +302,11 @@ class Registry:
         self.closed.discard(transfer_id)
         decode.open.add(transfer_id)
         decode.add_pending(transfer_id, blocks, now)
-        if rec.prefill is not None and prefill is not None:
-            prefill.open.add(transfer_id)
-            prefill.add_pending(transfer_id, 0, now)
-            if prefill.backlog is not None:
-                prefill.backlog.add(transfer_id, demand.prompt_tokens, now)
+        if leg is not None:
+            leg.open.add(transfer_id)
+            leg.add_pending(transfer_id, 0, now)
+            if leg.backlog is not None:
+                leg.backlog.add(transfer_id, demand.prompt_tokens, now)
         return rec
 
     def _prefills_on_decode(self, demand: Demand, prefill: Instance, decode: Instance, now: float) -> bool:
