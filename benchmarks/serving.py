@@ -689,7 +689,8 @@ async def run_setup(kind: str, h: Harness, pts: list[Point]) -> dict[str, list[P
                 async with pair.scheduler.security().aio_channel(pair.scheduler.address) as ch:
                     stub = pb_grpc.SchedulerStub(ch)
                     if kind == "ours_local":
-                        ours = [("ours_local", ours_ft_proxy(client, stub))]
+                        frontend = ours_proxy if a.local_prefill_frontend == "assign" else ours_ft_proxy
+                        ours = [("ours_local", frontend(client, stub))]
                     else:
                         ours = [("ours", ours_proxy(client, stub)), ("ours_ft", ours_ft_proxy(client, stub))]
                         if not a.no_grpc:
@@ -740,6 +741,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="ours_local: the scheduler's --local-prefill-max-tokens (prompts this short prefill on decode)",
+    )
+    ap.add_argument(
+        "--local-prefill-frontend",
+        choices=("handoff", "assign"),
+        default="handoff",
+        help="ours_local's frontend: handoff (ours_ft's, first token from prefill) or assign (ours', no hand-off: "
+        "the scheduler learns prefill's speed from its finished-prefill reports)",
     )
     ap.add_argument("--no-grpc", action="store_true", help="skip the ours_grpc (scheduler Generate) runs")
     ap.add_argument(

@@ -150,6 +150,8 @@ class PrefillScheduler:
             self._held_transfers[rid] = leg.transfer_id
             if leg.first_token:
                 self._send_first_token(leg, request)
+            elif self.registration is not None:  # the scheduler's estimate of this engine's queue
+                self.registration.prefill_done(leg.transfer_id)
             return True, {"kvpush": {"role": "prefill_done", "transfer_id": leg.transfer_id}}
         self._aborted.append(AbortedPrefill(leg.transfer_id, leg.decode_engine_id))  # no KV will come: fail fast
         self._push_bytes.pop(rid, None)

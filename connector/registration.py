@@ -9,7 +9,11 @@ lost unacked (the scheduler restarted, or declared this engine dead while it was
 and refused its report) go out again on the next stream, until ``first_token_wait_s`` after they
 were sampled, when decode has given up on them anyway. A token relayed twice (a direct call whose
 answer was lost, then the stream) is harmless: decode and Generate take the first one for a
-transfer."""
+transfer.
+
+Prefills finished without the hand-off ride on the next report, each with its age then, so the
+scheduler can learn this engine's speed for local prefill; they are an estimate's input, never
+resent (a report lost with them only leaves the estimate less sure)."""
 
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ log = get_logger("kvpush.connector.registration")
 
 DIRECT_TOKEN_TIMEOUT_S = 2.0  # a direct first-token send; then the load stream carries the token
 _Sampled = tuple[pb.FirstToken, float]  # a first token and when it was sampled (monotonic)
+MAX_AGE_US = (1 << 32) - 1  # PrefillDone.age_us (over an hour: the scheduler ignores it long before)
 
 
 @dataclass
@@ -85,6 +90,7 @@ class Registration:
         self._wake = threading.Event()  # a report to send now: first tokens, or stop
         self._lock = threading.Lock()
         self._first_tokens: list[_Sampled] = []  # to send on the next report
+        self._prefills_done: deque[tuple[str, float]] = deque(maxlen=limits.MAX_EXPECTATIONS_PER_CALL)
         # The registered stream's stub, for first tokens sent directly (None: not registered, or
         # the scheduler does not know ReportFirstTokens).
         self._direct: pb_grpc.SchedulerStub | None = None
@@ -127,6 +133,22 @@ class Registration:
                 self._sent([token.transfer_id])
                 return
         self._queue(token, sampled_at)
+
+    def prefill_done(self, transfer_id: str) -> None:
+        """Prefill: the transfer's prefill finished now (no hand-off: no first token tells it). Goes
+        on the next report; thread-safe; beyond a report's bound the oldest are forgotten."""
+        done = (transfer_id, time.monotonic())
+        with self._lock:
+            self._prefills_done.append(done)
+
+    def _take_prefills_done(self) -> list[pb.PrefillDone]:
+        now = time.monotonic()
+        with self._lock:
+            taken = list(self._prefills_done)
+            self._prefills_done.clear()
+        return [
+            pb.PrefillDone(transfer_id=tid, age_us=min(MAX_AGE_US, max(0, int((now - at) * 1e6)))) for tid, at in taken
+        ]
 
     def _direct_done(self, token: pb.FirstToken, sampled_at: float, call: grpc.Future) -> None:
         """A direct send ended (gRPC's thread): failed, the token goes on the load stream."""
@@ -215,6 +237,7 @@ class Registration:
             if tokens is None:
                 return  # the stream is over (grpc may still pull from it)
             report.first_tokens.extend(tokens)
+            report.prefills_done.extend(self._take_prefills_done())
             yield report
             if tokens:  # gRPC asks for the next report only once this one's send completed
                 self._sent([t.transfer_id for t in tokens])

@@ -100,6 +100,7 @@ class FakeInstance:
     first_tokens: list[pb.FirstToken] = field(default_factory=list)  # relayed to it on the load stream
     got_first_token: asyncio.Event = field(default_factory=asyncio.Event)
     outgoing_first_tokens: list[pb.FirstToken] = field(default_factory=list)  # sent with the next report
+    outgoing_prefills_done: list[pb.PrefillDone] = field(default_factory=list)  # sent with the next report
     _call: Any = None
     _task: asyncio.Task[None] | None = None
     _closed: asyncio.Event = field(default_factory=asyncio.Event)
@@ -118,6 +119,8 @@ class FakeInstance:
         )
         report.first_tokens.extend(self.outgoing_first_tokens)
         self.outgoing_first_tokens.clear()
+        report.prefills_done.extend(self.outgoing_prefills_done)
+        self.outgoing_prefills_done.clear()
         return report
 
     async def _reports(self) -> AsyncIterator[pb.LoadReport]:

@@ -14,6 +14,7 @@ import grpc
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from google.protobuf.json_format import MessageToDict
+from prometheus_client import generate_latest
 from scheduler_support import (
     WAIT_S,
     FakeInstance,
@@ -28,7 +29,7 @@ from scheduler_support import (
 from test_scheduler_generate import FakeVllm, _req, cluster
 from test_scheduler_registry import Clock, spec
 
-from kvpush.services.common import transfer_params
+from kvpush.services.common import limits, transfer_params
 from kvpush.services.common.leg_signing import LegSigner, LegVerifier
 from kvpush.services.scheduler import convert
 from kvpush.services.scheduler.errors import FailedPrecondition, NoCapacity
@@ -36,6 +37,7 @@ from kvpush.services.scheduler.local_prefill import LocalPrefillConfig, LocalQue
 from kvpush.services.scheduler.model import AssignmentRecord, Demand, Outcome, Role, State
 from kvpush.services.scheduler.policy import LeastBusy, PowerOfTwoChoices
 from kvpush.services.scheduler.registry import LeaseConfig, Registry
+from kvpush.services.scheduler.server import SchedulerServer
 from kvpush.v1 import kvpush_pb2 as pb
 
 # ----- the prefill queue estimate --------------------------------------------------------------
@@ -351,6 +353,68 @@ def test_the_prefill_queue_learns_its_speed_from_that_prefills_own_first_token_r
             mine.outgoing_first_tokens.append(token)
             await wait_for(lambda: own.backlog is not None and own.backlog.samples == 1)
             assert len(own.backlog) == 0 and own.backlog.s_per_token is not None and own.backlog.s_per_token > 0
+            await close_instances(insts)
+
+    run(body())
+
+
+def _metric(server: SchedulerServer, name: str) -> dict[str, float]:
+    """A scheduler gauge's samples by engine id, read as a scrape would."""
+    text = generate_latest(server.metrics.registry).decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('engine_id="')[1].split('"')[0]] = float(value)
+    return out
+
+
+def test_the_prefill_queue_learns_from_prefills_finished_without_the_hand_off() -> None:
+    """Frontends without the hand-off: the prefill engine reports each finished prefill with its age
+    on its load stream, and only its own queue learns from it, at the finish time the age gives
+    (report time minus age). Another prefill, a decode, a bad id, a stale age or an oversized report
+    change nothing and the streams keep serving; the estimate shows in ListInstances and the
+    metrics."""
+
+    async def body() -> None:
+        async with scheduler(local_prefill=LocalPrefillConfig(wait_ms=150)) as (server, stub, _):
+            insts = await handoff_engines(stub, prefills=("p0", "p1"))
+            req = pb.AssignRequest(prompt_tokens=500, max_tokens=8, allow_prefill_on_decode=True)
+            a = await stub.Assign(req, timeout=5)
+            assert not a.prefill_on_decode and not a.first_token_from_prefill
+            own = server.registry.instances[a.prefill.engine_id]
+            assert own.backlog is not None and len(own.backlog) == 1
+            decode, *prefills = insts
+            mine = next(i for i in prefills if i.info.engine_id == own.engine_id)
+            other = next(i for i in prefills if i is not mine)
+            done = pb.PrefillDone(transfer_id=a.transfer_id)
+            other.outgoing_prefills_done.append(done)
+            decode.outgoing_prefills_done.append(done)
+            mine.outgoing_prefills_done.extend(
+                [pb.PrefillDone(transfer_id="x" * 129), pb.PrefillDone(transfer_id=a.transfer_id, age_us=11_000_000)]
+            )
+            acks = [i.acks for i in insts]
+            await wait_for(lambda: all(i.acks > n + 1 for i, n in zip(insts, acks, strict=True)))
+            mine.outgoing_prefills_done.extend([done] * (limits.MAX_EXPECTATIONS_PER_CALL + 1))
+            n = mine.acks
+            await wait_for(lambda: mine.acks > n + 1)
+            assert len(own.backlog) == 1 and own.backlog.samples == 0, "nothing taken from those reports"
+            # Finished before it was assigned (a 9 s age): it leaves the queue, and is no sample.
+            mine.outgoing_prefills_done.append(pb.PrefillDone(transfer_id=a.transfer_id, age_us=9_000_000))
+            await wait_for(lambda: len(own.backlog or ()) == 0)
+            assert own.backlog.samples == 0 and own.backlog.s_per_token is None
+            b = await stub.Assign(req, timeout=5)
+            ran = server.registry.instances[b.prefill.engine_id]  # whichever the policy chose
+            reporter = next(i for i in prefills if i.info.engine_id == ran.engine_id)
+            assert ran.backlog is not None and len(ran.backlog) == 1
+            reporter.outgoing_prefills_done.append(pb.PrefillDone(transfer_id=b.transfer_id, age_us=1_000))
+            await wait_for(lambda: ran.backlog is not None and ran.backlog.samples == 1)
+            spt = ran.backlog.s_per_token
+            assert len(ran.backlog) == 0 and spt is not None and spt > 0
+            listed = await stub.ListInstances(pb.ListInstancesRequest(), timeout=5)
+            status = next(s for s in listed.instances if s.instance.engine_id == ran.engine_id)
+            assert status.prefill_queue.samples == 1 and status.prefill_queue.seconds_per_token == pytest.approx(spt)
+            assert _metric(server, "kvpush_scheduler_prefill_seconds_per_token") == {ran.engine_id: pytest.approx(spt)}
             await close_instances(insts)
 
     run(body())

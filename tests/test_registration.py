@@ -15,8 +15,11 @@ import grpc
 import pytest
 from scheduler_support import WAIT_S, FakeInstance, info, run, scheduler, wait_for
 
+from kvpush.connector import registration
 from kvpush.connector.config import ConnectorConfig
 from kvpush.connector.registration import Registration
+from kvpush.services.common import limits
+from kvpush.services.scheduler.local_prefill import LocalPrefillConfig
 from kvpush.services.scheduler.servicer import SchedulerServicer
 from kvpush.v1 import kvpush_pb2 as pb
 
@@ -154,3 +157,42 @@ def test_a_scheduler_without_the_call_gets_the_token_on_the_load_stream(monkeypa
             assert [(t.transfer_id, t.token_id) for t in decode.first_tokens] == [("t1", 1), ("t2", 2)]
 
     run(body())
+
+
+def test_finished_prefills_reach_the_scheduler_queue_estimate() -> None:
+    """A prefill finished without the hand-off goes on the next load report: the scheduler's
+    estimate of that engine's queue retires it and learns the engine's speed from it."""
+
+    async def body() -> None:
+        async with (
+            scheduler(interval_s=0.1, local_prefill=LocalPrefillConfig(wait_ms=150)) as (server, stub, _),
+            _prefill_and_decode(server, stub) as (reg, _decode, _loads),
+        ):
+            await wait_for(lambda: "p0" in server.registry.instances)
+            req = pb.AssignRequest(prompt_tokens=256, max_tokens=4, allow_prefill_on_decode=True)
+            a = await stub.Assign(req, timeout=WAIT_S)
+            backlog = server.registry.instances["p0"].backlog
+            assert a.prefill.engine_id == "p0" and backlog is not None and len(backlog) == 1
+            reg.prefill_done(a.transfer_id)
+            await wait_for(lambda: backlog.samples == 1)
+            assert len(backlog) == 0 and backlog.s_per_token is not None and backlog.s_per_token > 0
+
+    run(body())
+
+
+def test_finished_prefills_carry_their_age_and_a_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each finished prefill leaves with its age at the report (a duration: the scheduler's clock is
+    another host's), once; beyond one report's bound the oldest are forgotten."""
+    now = [100.0]
+    monkeypatch.setattr(registration.time, "monotonic", lambda: now[0])
+    reg = Registration(_config("127.0.0.1:1", "p0"), info("p0", pb.ROLE_PREFILL), _Loads())
+    reg.prefill_done("t1")
+    now[0] += 0.25
+    reg.prefill_done("t2")
+    now[0] += 0.5
+    assert [(d.transfer_id, d.age_us) for d in reg._take_prefills_done()] == [("t1", 750_000), ("t2", 500_000)]
+    assert reg._take_prefills_done() == []
+    for i in range(limits.MAX_EXPECTATIONS_PER_CALL + 2):
+        reg.prefill_done(f"u{i}")
+    taken = reg._take_prefills_done()
+    assert len(taken) == limits.MAX_EXPECTATIONS_PER_CALL and taken[0].transfer_id == "u2"

@@ -107,10 +107,21 @@ def load_to_pb(inst: Instance) -> pb.LoadReport:
     )
 
 
-def status_to_pb(inst: Instance) -> pb.InstanceStatus:
-    return pb.InstanceStatus(
+def status_to_pb(inst: Instance, now: float) -> pb.InstanceStatus:
+    status = pb.InstanceStatus(
         instance=spec_to_pb(inst.spec), load=load_to_pb(inst), alive=True, open_assignments=len(inst.open)
     )
+    backlog = inst.backlog
+    if backlog is not None:
+        status.prefill_queue.CopyFrom(
+            pb.PrefillQueue(
+                queued=len(backlog),
+                samples=backlog.samples,
+                seconds_per_token=backlog.s_per_token or 0.0,
+                wait_s=backlog.wait_s(now) or 0.0,
+            )
+        )
+    return status
 
 
 def event_to_pb(event: Event) -> pb.InstanceEvent:

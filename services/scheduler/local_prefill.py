@@ -39,14 +39,15 @@ class LocalPrefillConfig:
 class PrefillBacklog:
     """One prefill instance's queue as the scheduler sees it: the prompts assigned to it whose
     prefill was not seen to finish, in assignment order, its speed in seconds per prompt token,
-    learned from the first-token reports of hand-off transfers (the moment prefill sampled), and
-    a virtual clock: when it would be done with them, serving them one after another at that speed.
+    learned from the prefill engine's reports of finished prefills (a hand-off transfer's first
+    token, the moment prefill sampled it; a ``PrefillDone`` with its age for any other), and a
+    virtual clock: when it would be done with them, serving them one after another at that speed.
 
     FIFO model: a report for a transfer means every transfer assigned before it finished too (they
     leave without a sample), and the clock restarts from the report. A sample is taken only for the
     head of the queue: its service began when it was assigned or when the previous one was seen to
-    finish, whichever was later. Without reports (transfers without the hand-off) the clock still
-    runs down. Until the first sample the speed is unknown and so is the wait (``wait_s`` is None)."""
+    finish, whichever was later. Between reports the clock runs down. Until the first sample the
+    speed is unknown and so is the wait (``wait_s`` is None)."""
 
     ALPHA = 0.25  # weight of a new sample in the speed's moving average
 

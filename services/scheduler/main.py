@@ -87,7 +87,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         help="local prefill: a prompt whose prefill would wait longer than this behind its prefill instance's "
         "queue prefills on its decode instance instead, when that decode is not prefilling another; the queue is "
-        "estimated from the first-token hand-off's reports (0: off)",
+        "estimated from the prefill engines' reports of finished prefills (0: off)",
     )
     _flag(p, "--model", "", help="served model name for Generate; empty: the first entry of GET /v1/models")
     _flag(

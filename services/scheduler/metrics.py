@@ -44,6 +44,25 @@ class _RegistryCollector(Collector):
             reserved.add_metric([inst.engine_id], inst.load.reserved_unfilled_blocks if inst.load else 0)
         yield free
         yield reserved
+        speed = GaugeMetricFamily(
+            "kvpush_scheduler_prefill_seconds_per_token",
+            "Local prefill: a prefill instance's learned speed (absent until its first finished prefill)",
+            labels=["engine_id"],
+        )
+        wait = GaugeMetricFamily(
+            "kvpush_scheduler_prefill_queue_wait_seconds",
+            "Local prefill: how long a prompt assigned now would wait behind a prefill instance's queue",
+            labels=["engine_id"],
+        )
+        now = self._registry.clock()
+        for inst in self._registry.live(Role.PREFILL):
+            backlog = inst.backlog
+            if backlog is None or backlog.s_per_token is None:
+                continue
+            speed.add_metric([inst.engine_id], backlog.s_per_token)
+            wait.add_metric([inst.engine_id], backlog.wait_s(now) or 0.0)
+        yield speed
+        yield wait
 
 
 class Metrics:

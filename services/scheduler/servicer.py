@@ -156,6 +156,8 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
                 draining = report.draining
                 if report.first_tokens:
                     self._first_tokens.relay(report)
+                if report.prefills_done:
+                    self.prefills_done(report)
                 if box is None:  # a registered instance's stream: it may be pushed to from now on
                     box = self._outboxes.open(key)
                     box_key = key
@@ -175,7 +177,8 @@ class SchedulerServicer(GenerateRpcs, FirstTokenRpcs, pb_grpc.SchedulerServicer)
     async def ListInstances(
         self, request: pb.ListInstancesRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListInstancesResponse:
-        return pb.ListInstancesResponse(instances=[convert.status_to_pb(i) for i in self.registry.snapshot()])
+        now = self.registry.clock()
+        return pb.ListInstancesResponse(instances=[convert.status_to_pb(i, now) for i in self.registry.snapshot()])
 
     async def Watch(
         self, request: pb.WatchRequest, context: grpc.aio.ServicerContext

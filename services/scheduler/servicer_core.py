@@ -29,6 +29,7 @@ from kvpush.services.scheduler.model import (
     EventKind,
     InstanceSpec,
     Outcome,
+    Role,
 )
 from kvpush.services.scheduler.registry import Registry
 from kvpush.v1 import kvpush_pb2 as pb
@@ -53,6 +54,10 @@ def handoff_granted(rec: AssignmentRecord, asked: bool) -> bool:
     """Whether an assignment gets the first-token hand-off: asked for, a decode that supports it,
     and a prefill leg (a decode that prefills the request samples the first token itself)."""
     return asked and rec.prefill is not None and rec.decode.first_token_handoff
+
+
+# A finished prefill reported later than this is no sample of the engine's speed (it was starved).
+MAX_PREFILL_DONE_AGE_S = 10.0
 
 
 class ShuttingDown(NoCapacity):
@@ -267,6 +272,31 @@ class ServicerCore:
                     self._queued -= 1
                 if self.shutting_down:
                     raise ShuttingDown() from None
+
+    def prefills_done(self, report: pb.LoadReport) -> None:
+        """A prefill engine's prefills finished without the hand-off: its own queue estimate (local
+        prefill) learns from them; the engine is the report's, authenticated by its stream. Bounded;
+        entries with a bad id or older than ``MAX_PREFILL_DONE_AGE_S`` are skipped and counted."""
+        inst = self.registry.instances.get(report.engine_id)
+        if inst is None or inst.spec.role is not Role.PREFILL:
+            self.log.warning("prefills_done_refused", engine_id=report.engine_id, reason="not a prefill engine")
+            return
+        if len(report.prefills_done) > limits.MAX_EXPECTATIONS_PER_CALL:
+            self.log.warning("prefills_done_refused", engine_id=report.engine_id, reason="too many in one report")
+            return
+        backlog = inst.backlog
+        if backlog is None:  # local prefill's wait rule is off, or has not looked at this engine yet
+            return
+        now = self.registry.clock()
+        skipped = 0
+        for done in report.prefills_done:
+            age_s = done.age_us / 1e6
+            if not done.transfer_id or len(done.transfer_id) > limits.MAX_ID_CHARS or age_s > MAX_PREFILL_DONE_AGE_S:
+                skipped += 1
+                continue
+            backlog.finished(done.transfer_id, now - age_s)
+        if skipped:
+            self.log.warning("prefills_done_skipped", engine_id=report.engine_id, count=skipped)
 
     def _decided(self, rec: AssignmentRecord) -> None:
         self._count_decisions(dict.fromkeys(decision_keys(rec), 1))

@@ -1085,6 +1085,7 @@ class LoadReport(_message.Message):
     WRITE_BYTES_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     DRAINING_FIELD_NUMBER: _builtins.int
     FIRST_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILLS_DONE_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     incarnation: _builtins.str
     free_blocks: _builtins.int
@@ -1099,6 +1100,13 @@ class LoadReport(_message.Message):
         not at the report cadence); the scheduler relays each to the decode engine it names.
         """
 
+    @_builtins.property
+    def prefills_done(self) -> _containers.RepeatedCompositeFieldContainer[Global___PrefillDone]:
+        """Prefill: prefills finished for transfers without the hand-off (those with it are told by their
+        first token), batched at the report cadence; the scheduler's estimate of this engine's queue
+        learns from them (local prefill). Lossy: a report that never arrives only leaves it less sure.
+        """
+
     def __init__(
         self,
         *,
@@ -1111,14 +1119,41 @@ class LoadReport(_message.Message):
         write_bytes_in_flight: _builtins.int = ...,
         draining: _builtins.bool = ...,
         first_tokens: _abc.Iterable[Global___FirstToken] | None = ...,
+        prefills_done: _abc.Iterable[Global___PrefillDone] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "engine_id", b"engine_id", "first_tokens", b"first_tokens", "free_blocks", b"free_blocks", "incarnation", b"incarnation", "reserved_unfilled_blocks", b"reserved_unfilled_blocks", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests", "write_bytes_in_flight", b"write_bytes_in_flight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draining", b"draining", "engine_id", b"engine_id", "first_tokens", b"first_tokens", "free_blocks", b"free_blocks", "incarnation", b"incarnation", "prefills_done", b"prefills_done", "reserved_unfilled_blocks", b"reserved_unfilled_blocks", "running_requests", b"running_requests", "waiting_requests", b"waiting_requests", "write_bytes_in_flight", b"write_bytes_in_flight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___LoadReport: _TypeAlias = LoadReport  # noqa: Y015
+
+@_typing.final
+class PrefillDone(_message.Message):
+    """One prefill this engine finished (its KV computed, the push under way): age_us microseconds
+    before the report carrying it was sent (a duration, not a time: the two hosts' clocks differ).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRANSFER_ID_FIELD_NUMBER: _builtins.int
+    AGE_US_FIELD_NUMBER: _builtins.int
+    transfer_id: _builtins.str
+    age_us: _builtins.int
+    def __init__(
+        self,
+        *,
+        transfer_id: _builtins.str = ...,
+        age_us: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_us", b"age_us", "transfer_id", b"transfer_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillDone: _TypeAlias = PrefillDone  # noqa: Y015
 
 @_typing.final
 class FirstToken(_message.Message):
@@ -1885,12 +1920,17 @@ class InstanceStatus(_message.Message):
     LOAD_FIELD_NUMBER: _builtins.int
     ALIVE_FIELD_NUMBER: _builtins.int
     OPEN_ASSIGNMENTS_FIELD_NUMBER: _builtins.int
+    PREFILL_QUEUE_FIELD_NUMBER: _builtins.int
     alive: _builtins.bool
     open_assignments: _builtins.int
     @_builtins.property
     def instance(self) -> Global___InstanceInfo: ...
     @_builtins.property
     def load(self) -> Global___LoadReport: ...
+    @_builtins.property
+    def prefill_queue(self) -> Global___PrefillQueue:
+        """A prefill instance whose queue local prefill's wait rule estimates (unset otherwise)."""
+
     def __init__(
         self,
         *,
@@ -1898,14 +1938,49 @@ class InstanceStatus(_message.Message):
         load: Global___LoadReport | None = ...,
         alive: _builtins.bool = ...,
         open_assignments: _builtins.int = ...,
+        prefill_queue: Global___PrefillQueue | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "load", b"load"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["instance", b"instance", "load", b"load", "prefill_queue", b"prefill_queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "instance", b"instance", "load", b"load", "open_assignments", b"open_assignments"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "instance", b"instance", "load", b"load", "open_assignments", b"open_assignments", "prefill_queue", b"prefill_queue"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___InstanceStatus: _TypeAlias = InstanceStatus  # noqa: Y015
+
+@_typing.final
+class PrefillQueue(_message.Message):
+    """The scheduler's estimate of one prefill instance's queue (services/scheduler/local_prefill.py)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUED_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIELD_NUMBER: _builtins.int
+    SECONDS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    WAIT_S_FIELD_NUMBER: _builtins.int
+    queued: _builtins.int
+    """prompts assigned to it and not seen to finish"""
+    samples: _builtins.int
+    """finished prefills its speed was learned from"""
+    seconds_per_token: _builtins.float
+    """0 until the first sample"""
+    wait_s: _builtins.float
+    """how long a prompt assigned now would wait (0 until the first sample)"""
+    def __init__(
+        self,
+        *,
+        queued: _builtins.int = ...,
+        samples: _builtins.int = ...,
+        seconds_per_token: _builtins.float = ...,
+        wait_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queued", b"queued", "samples", b"samples", "seconds_per_token", b"seconds_per_token", "wait_s", b"wait_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillQueue: _TypeAlias = PrefillQueue  # noqa: Y015
 
 @_typing.final
 class ListInstancesResponse(_message.Message):
