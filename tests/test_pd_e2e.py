@@ -49,7 +49,8 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         tiny_model_dir,
         tmp_path_factory.mktemp("pd-logs"),
         legs="mac",
-        scheduler_args=("--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX)),
+        # The wait rule on with a wait no queue here reaches: the scheduler estimates prefill's queue.
+        scheduler_args=("--local-prefill-max-tokens", str(LOCAL_PREFILL_MAX), "--local-prefill-wait-ms", "600000"),
     ) as c:
         yield c
 
@@ -214,6 +215,37 @@ def test_short_prompts_prefill_on_decode_and_equal_one_instance(cluster: PDClust
     assert {m.prefill_engine_id for m in msgs} == {"prefill-0"}
     assert_pushed(before, prompt_sources(cluster.decode), [n])
     assert idle_all_free(cluster, pb.ROLE_DECODE) == free_baseline
+
+
+def test_prefill_reports_prefills_finished_without_the_hand_off(
+    cluster: PDCluster, expected: dict[int, list[int]]
+) -> None:
+    """A request through ``Assign`` without the first-token hand-off: the prefill engine reports the
+    prefill it finished on its load stream, and the scheduler's estimate of its queue retires the
+    request and learns the engine's speed from it (``ListInstances``' ``prefill_queue``)."""
+
+    def queue() -> pb.PrefillQueue:
+        s = _instance_status(cluster, pb.ROLE_PREFILL)
+        assert s is not None and s.HasField("prefill_queue"), "the wait rule estimates prefill's queue"
+        return s.prefill_queue
+
+    n = 300
+    before = queue().samples
+    a = cluster.stub.Assign(
+        pb.AssignRequest(prompt_tokens=n, max_tokens=MAX_TOKENS, allow_prefill_on_decode=True), timeout=10
+    )
+    assert not a.prefill_on_decode and not a.first_token_from_prefill
+    with ThreadPoolExecutor(1) as pool:
+        decode_params = MessageToDict(a.decode_kv_transfer_params)
+        decoded = pool.submit(lambda: complete(a.decode.http_endpoint, prompt_of(n), MAX_TOKENS, decode_params))
+        complete(a.prefill.http_endpoint, prompt_of(n), 1, MessageToDict(a.prefill_kv_transfer_params))
+        assert decoded.result(timeout=60)[0] == expected[n]
+    deadline = time.monotonic() + 10.0  # the next load report, every 250 ms
+    while queue().samples == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    cluster.stub.Release(pb.ReleaseRequest(transfer_id=a.transfer_id, epoch=a.epoch, outcome=pb.OUTCOME_OK), timeout=10)
+    got = queue()
+    assert got.samples == before + 1 and got.seconds_per_token > 0 and got.queued == 0
 
 
 def test_transferred_kv_is_what_decode_uses(cluster: PDCluster) -> None:
