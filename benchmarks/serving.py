@@ -286,6 +286,8 @@ class Harness:
                         str(a.local_prefill_wait_ms),
                         "--local-prefill-max-tokens",
                         str(a.local_prefill_max_tokens),
+                        "--local-prefill-ttft-ms",
+                        str(a.local_prefill_ttft_ms),
                     ]
                 sched = start_scheduler(self.run_dir / kind, extra_args=local)
             for role, core, side, extra_env in (
@@ -741,6 +743,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=int,
         default=0,
         help="ours_local: the scheduler's --local-prefill-max-tokens (prompts this short prefill on decode)",
+    )
+    ap.add_argument(
+        "--local-prefill-ttft-ms",
+        type=float,
+        default=0.0,
+        help="ours_local: the scheduler's --local-prefill-ttft-ms (prefill on decode when prefill's first token "
+        "would come later than this, and decode's in time)",
     )
     ap.add_argument(
         "--local-prefill-frontend",

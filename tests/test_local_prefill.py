@@ -98,10 +98,13 @@ def test_the_decodes_own_queue_is_a_virtual_clock() -> None:
 def test_config_bounds() -> None:
     assert not LocalPrefillConfig().enabled
     assert LocalPrefillConfig(max_tokens=1).enabled and LocalPrefillConfig(wait_ms=1).enabled
+    assert LocalPrefillConfig(ttft_ms=1).enabled and not LocalPrefillConfig(max_tokens=1).queue_rules
     for bad in (
         LocalPrefillConfig(max_tokens=-1),
         LocalPrefillConfig(wait_ms=-1),
         LocalPrefillConfig(wait_ms=float("nan")),
+        LocalPrefillConfig(ttft_ms=-1),
+        LocalPrefillConfig(ttft_ms=float("inf")),
     ):
         with pytest.raises(ValueError):
             bad.validate()
@@ -171,6 +174,29 @@ def test_a_long_prefill_queue_overflows_to_the_decode_one_prefill_at_a_time() ->
     assert reg.assign(Demand(1000, 16)).prefill is not None, "not allowed: never local"
     clock.t += 10.0  # everything done
     assert reg.assign(Demand(1000, 16, local_ok=True)).prefill is not None
+
+
+def test_the_ttft_target_moves_only_prompts_late_on_prefill_and_in_time_on_decode() -> None:
+    """``ttft_ms``: the wait that sends a prompt to decode follows the prompt's own prefill time at
+    the learned speed (a longer prompt goes sooner), and a prompt too long to be in time even on
+    decode stays on prefill."""
+    cfg = LocalPrefillConfig(ttft_ms=305)
+    assert not cfg.overflows(0.2, 0.1) and cfg.overflows(0.21, 0.1)
+    assert cfg.overflows(0.11, 0.2) and not cfg.overflows(5.0, 0.31), "over the target even alone: stays"
+    clock = Clock()
+    reg = _registry(clock, cfg)
+    p0 = reg.instances["p0"]
+    warm = reg.assign(Demand(1000, 16, local_ok=True))
+    assert warm.prefill is not None and p0.backlog is not None
+    clock.t += 0.1
+    p0.backlog.finished(warm.transfer_id, clock.t)  # 0.1 ms a token
+    # P's queue when each comes: 0, 100, 200 ms; the third would have its token at 300 ms: in time.
+    where = ["P" if reg.assign(Demand(1000, 16, local_ok=True)).prefill else "D" for _ in range(3)]
+    assert where == ["P", "P", "P"]
+    # 300 ms of queue: a 1000-token prompt would be at 400 ms (to D), a 3100-token one over 305 even alone.
+    assert reg.assign(Demand(3100, 16, local_ok=True)).prefill is not None
+    clock.t += 0.31  # the queue's 610 ms of work, 310 ms on: 300 ms left
+    assert reg.assign(Demand(1000, 16, local_ok=True)).prefill is None
 
 
 def test_closed_assignments_leave_the_prefill_queue() -> None:

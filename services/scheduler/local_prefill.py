@@ -11,6 +11,10 @@ that allow it, ``AssignRequest.allow_prefill_on_decode``; ``Generate`` always do
   instance's queue prefills on its decode, when the decode is not prefilling another such request
   (prefill saturated: the decode's core takes some of the overflow instead of the queue growing;
   one at a time, because each stalls the decodes it runs beside);
+* ``ttft_ms``: the same, for a prompt whose first token would come later than this from the
+  chosen prefill instance (its queue's wait plus its own prefill at the instance's learned speed)
+  but in time from its decode (its own prefill alone): a TTFT target that follows the engines'
+  speed, where ``wait_ms`` is a fixed share of it;
 * with either rule on, a request finds no ready prefill instance: its decode prefills it.
 
 Pure state, time passed in, no I/O: the registry drives it from the scheduler's event loop.
@@ -26,14 +30,29 @@ from dataclasses import dataclass
 class LocalPrefillConfig:
     max_tokens: int = 0  # prompts up to this many tokens prefill on their decode (0: none)
     wait_ms: float = 0.0  # prefill on decode when the prefill queue is longer than this (0: never)
+    ttft_ms: float = 0.0  # prefill on decode when prefill's first token would come later than this (0: never)
 
     @property
     def enabled(self) -> bool:
-        return self.max_tokens > 0 or self.wait_ms > 0
+        return self.max_tokens > 0 or self.queue_rules
+
+    @property
+    def queue_rules(self) -> bool:
+        """A rule that reads the prefill queue estimate is on."""
+        return self.wait_ms > 0 or self.ttft_ms > 0
 
     def validate(self) -> None:
-        if self.max_tokens < 0 or not 0 <= self.wait_ms < float("inf"):
-            raise ValueError("local prefill max_tokens and wait_ms must be >= 0 and finite")
+        inf = float("inf")
+        if self.max_tokens < 0 or not 0 <= self.wait_ms < inf or not 0 <= self.ttft_ms < inf:
+            raise ValueError("local prefill max_tokens, wait_ms and ttft_ms must be >= 0 and finite")
+
+    def overflows(self, wait_s: float, own_s: float) -> bool:
+        """Whether a prompt whose prefill would wait ``wait_s`` behind the prefill queue and then
+        take ``own_s`` is better prefilled on its decode (``wait_ms``; ``ttft_ms``: too late there
+        and in time on decode)."""
+        if self.wait_ms > 0 and wait_s * 1000.0 > self.wait_ms:
+            return True
+        return self.ttft_ms > 0 and (wait_s + own_s) * 1000.0 > self.ttft_ms > own_s * 1000.0
 
 
 class PrefillBacklog:

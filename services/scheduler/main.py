@@ -89,6 +89,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "queue prefills on its decode instance instead, when that decode is not prefilling another; the queue is "
         "estimated from the prefill engines' reports of finished prefills (0: off)",
     )
+    _flag(
+        p,
+        "--local-prefill-ttft-ms",
+        "0",
+        type=float,
+        help="local prefill: a prompt whose first token would come later than this from its prefill instance "
+        "(the queue's wait plus its own prefill at that instance's learned speed), and in time from its decode, "
+        "prefills on its decode instance instead, when that decode is not prefilling another (0: off)",
+    )
     _flag(p, "--model", "", help="served model name for Generate; empty: the first entry of GET /v1/models")
     _flag(
         p,
@@ -208,7 +217,9 @@ def security_from_args(args: argparse.Namespace) -> Security:
 
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
-    local_prefill = LocalPrefillConfig(max_tokens=args.local_prefill_max_tokens, wait_ms=args.local_prefill_wait_ms)
+    local_prefill = LocalPrefillConfig(
+        max_tokens=args.local_prefill_max_tokens, wait_ms=args.local_prefill_wait_ms, ttft_ms=args.local_prefill_ttft_ms
+    )
     try:
         local_prefill.validate()
     except ValueError as exc:

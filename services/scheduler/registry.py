@@ -311,20 +311,21 @@ class Registry:
 
     def _prefills_on_decode(self, demand: Demand, prefill: Instance, decode: Instance, now: float) -> bool:
         """Local prefill's rules (local_prefill.py) for a request that could go to ``prefill``:
-        a short prompt, or a prefill queue longer than the configured wait while the decode is not
+        a short prompt, or a prefill queue longer than the configured wait (or one that would make
+        the request's first token later than the configured target) while the decode is not
         prefilling another such request (each one stalls the decodes it runs beside, so a decode
         takes them one at a time). A decode that takes one counts it in its own queue."""
         cfg = self.local_prefill
         if demand.prompt_tokens <= cfg.max_tokens:
             return True
-        if cfg.wait_ms <= 0:
+        if not cfg.queue_rules:
             return False
         backlog = prefill.backlog
         if backlog is None:
             backlog = prefill.backlog = PrefillBacklog()
         wait = backlog.wait_s(now)
         spt = backlog.s_per_token
-        if wait is None or spt is None or wait * 1000.0 <= cfg.wait_ms:
+        if wait is None or spt is None or not cfg.overflows(wait, demand.prompt_tokens * spt):
             return False
         own = decode.local_queue
         if own is None:
