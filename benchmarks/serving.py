@@ -288,6 +288,8 @@ class Harness:
                         str(a.local_prefill_max_tokens),
                         "--local-prefill-ttft-ms",
                         str(a.local_prefill_ttft_ms),
+                        "--local-prefill-max-decoding",
+                        str(a.local_prefill_max_decoding),
                     ]
                 sched = start_scheduler(self.run_dir / kind, extra_args=local)
             for role, core, side, extra_env in (
@@ -750,6 +752,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="ours_local: the scheduler's --local-prefill-ttft-ms (prefill on decode when prefill's first token "
         "would come later than this, and decode's in time)",
+    )
+    ap.add_argument(
+        "--local-prefill-max-decoding",
+        type=int,
+        default=-1,
+        help="ours_local: the scheduler's --local-prefill-max-decoding (the wait and TTFT rules pick only a decode "
+        "decoding at most this many requests; -1: any)",
     )
     ap.add_argument(
         "--local-prefill-frontend",

@@ -199,6 +199,28 @@ def test_the_ttft_target_moves_only_prompts_late_on_prefill_and_in_time_on_decod
     assert reg.assign(Demand(1000, 16, local_ok=True)).prefill is None
 
 
+def test_the_queue_rules_move_a_prompt_only_to_a_decode_decoding_few_enough() -> None:
+    """``max_decoding``: the overflow goes to decode only while it decodes at most that many
+    requests by the scheduler's books (open, prefill finished or on decode itself); those still
+    queued at prefill do not count."""
+    clock = Clock()
+    reg = _registry(clock, LocalPrefillConfig(wait_ms=150, max_decoding=0))
+    p0 = reg.instances["p0"]
+    warm = reg.assign(Demand(1000, 16, local_ok=True))
+    assert p0.backlog is not None
+    clock.t += 0.1
+    p0.backlog.finished(warm.transfer_id, clock.t)  # 0.1 ms a token; warm decodes on d0 now
+    where = ["P" if reg.assign(Demand(1000, 16, local_ok=True)).prefill else "D" for _ in range(3)]
+    assert where == ["P", "P", "P"], "the third is over the wait, but d0 decodes warm"
+    reg.release(warm.transfer_id, warm.epoch, Outcome.OK)
+    # d0 has three open assignments, all queued at p0: none decodes.
+    assert reg.assign(Demand(1000, 16, local_ok=True)).prefill is None
+    clock.t += 0.1001  # d0 is done with that prefill, which still decodes there: the next stays on P
+    assert reg.assign(Demand(1000, 16, local_ok=True)).prefill is not None
+    with pytest.raises(ValueError):
+        LocalPrefillConfig(max_decoding=-2).validate()
+
+
 def test_closed_assignments_leave_the_prefill_queue() -> None:
     clock = Clock()
     reg = _registry(clock, LocalPrefillConfig(wait_ms=150))

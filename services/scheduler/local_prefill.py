@@ -15,6 +15,10 @@ that allow it, ``AssignRequest.allow_prefill_on_decode``; ``Generate`` always do
   chosen prefill instance (its queue's wait plus its own prefill at the instance's learned speed)
   but in time from its decode (its own prefill alone): a TTFT target that follows the engines'
   speed, where ``wait_ms`` is a fixed share of it;
+* ``max_decoding`` (with ``wait_ms`` or ``ttft_ms``): those two move a prompt only to a decode
+  instance that, by the scheduler's books, decodes at most this many requests (its open
+  assignments whose prefill finished, or that it prefills itself): a prompt prefilled there stalls
+  every one of them for its prefill, which can cost each its TPOT target (-1: any number);
 * with either rule on, a request finds no ready prefill instance: its decode prefills it.
 
 Pure state, time passed in, no I/O: the registry drives it from the scheduler's event loop.
@@ -31,6 +35,7 @@ class LocalPrefillConfig:
     max_tokens: int = 0  # prompts up to this many tokens prefill on their decode (0: none)
     wait_ms: float = 0.0  # prefill on decode when the prefill queue is longer than this (0: never)
     ttft_ms: float = 0.0  # prefill on decode when prefill's first token would come later than this (0: never)
+    max_decoding: int = -1  # the queue rules pick only a decode decoding at most this many requests (-1: any)
 
     @property
     def enabled(self) -> bool:
@@ -45,6 +50,8 @@ class LocalPrefillConfig:
         inf = float("inf")
         if self.max_tokens < 0 or not 0 <= self.wait_ms < inf or not 0 <= self.ttft_ms < inf:
             raise ValueError("local prefill max_tokens, wait_ms and ttft_ms must be >= 0 and finite")
+        if self.max_decoding < -1:
+            raise ValueError("local prefill max_decoding must be >= -1")
 
     def overflows(self, wait_s: float, own_s: float) -> bool:
         """Whether a prompt whose prefill would wait ``wait_s`` behind the prefill queue and then
@@ -79,6 +86,9 @@ class PrefillBacklog:
 
     def __len__(self) -> int:
         return len(self._queue)
+
+    def __contains__(self, transfer_id: object) -> bool:
+        return transfer_id in self._queue
 
     def add(self, transfer_id: str, tokens: int, now: float) -> None:
         if transfer_id in self._queue:

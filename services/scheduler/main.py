@@ -98,6 +98,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "(the queue's wait plus its own prefill at that instance's learned speed), and in time from its decode, "
         "prefills on its decode instance instead, when that decode is not prefilling another (0: off)",
     )
+    _flag(
+        p,
+        "--local-prefill-max-decoding",
+        "-1",
+        type=int,
+        help="local prefill: the wait and TTFT rules move a prompt only to a decode instance decoding at most this "
+        "many requests (each is stalled for the prompt's prefill; -1: any)",
+    )
     _flag(p, "--model", "", help="served model name for Generate; empty: the first entry of GET /v1/models")
     _flag(
         p,
@@ -218,7 +226,10 @@ def security_from_args(args: argparse.Namespace) -> Security:
 
 def config_from_args(args: argparse.Namespace) -> SchedulerConfig:
     local_prefill = LocalPrefillConfig(
-        max_tokens=args.local_prefill_max_tokens, wait_ms=args.local_prefill_wait_ms, ttft_ms=args.local_prefill_ttft_ms
+        max_tokens=args.local_prefill_max_tokens,
+        wait_ms=args.local_prefill_wait_ms,
+        ttft_ms=args.local_prefill_ttft_ms,
+        max_decoding=args.local_prefill_max_decoding,
     )
     try:
         local_prefill.validate()

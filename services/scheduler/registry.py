@@ -327,6 +327,8 @@ class Registry:
         spt = backlog.s_per_token
         if wait is None or spt is None or not cfg.overflows(wait, demand.prompt_tokens * spt):
             return False
+        if cfg.max_decoding >= 0 and self._decoding(decode) > cfg.max_decoding:
+            return False
         own = decode.local_queue
         if own is None:
             own = decode.local_queue = LocalQueue()
@@ -334,6 +336,13 @@ class Registry:
             return False
         own.add(demand.prompt_tokens, spt, now)
         return True
+
+    def _decoding(self, decode: Instance) -> int:
+        """How many requests ``decode`` decodes now by the scheduler's books: its open assignments
+        whose prefill no prefill instance's queue holds (finished, or prefilled on decode). Only
+        asked when a queue rule would move a prompt: O(open assignments x prefill instances)."""
+        queues = [p.backlog for p in self.live(Role.PREFILL) if p.backlog is not None and len(p.backlog)]
+        return sum(1 for tid in decode.open if not any(tid in q for q in queues))
 
     def reroute(
         self, transfer_id: str, decode_engine_id: str, failed_prefill_engine_id: str, max_reroutes: int
