@@ -19,7 +19,8 @@ that allow it, ``AssignRequest.allow_prefill_on_decode``; ``Generate`` always do
   instance that, by the scheduler's books, decodes at most this many requests (its open
   assignments whose prefill finished, or that it prefills itself): a prompt prefilled there stalls
   every one of them for its prefill, which can cost each its TPOT target (-1: any number);
-* with either rule on, a request finds no ready prefill instance: its decode prefills it.
+* with ``max_tokens``, ``wait_ms`` or ``ttft_ms`` on, a request that finds no ready prefill
+  instance is prefilled by its decode.
 
 Pure state, time passed in, no I/O: the registry drives it from the scheduler's event loop.
 """
