@@ -1929,7 +1929,7 @@ class InstanceStatus(_message.Message):
     def load(self) -> Global___LoadReport: ...
     @_builtins.property
     def prefill_queue(self) -> Global___PrefillQueue:
-        """A prefill instance whose queue local prefill's wait rule estimates (unset otherwise)."""
+        """A prefill instance whose queue local prefill's wait or TTFT rule estimates (unset otherwise)."""
 
     def __init__(
         self,
